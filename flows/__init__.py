@@ -1,0 +1,1 @@
+"""Orchestration: the `padir` CLI and (later) the Prefect flow over the stages."""

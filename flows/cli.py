@@ -1,0 +1,55 @@
+"""The `padir` command line: thin wrappers that parse and call one library function."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from components import config as config_lib
+
+# Stage name -> module whose `run(config, beam_args)` computes it (imported on use: heavy).
+STAGE_MODULES = {
+    "prepare": "pipelines.prepare",
+    "vocab": "pipelines.vocab",
+}
+
+
+def run_stage(name: str, config: config_lib.Config, beam_args: Sequence[str] = ()):
+    """Recomputes one stage from its (complete) inputs and returns its artifact."""
+    module = importlib.import_module(STAGE_MODULES[name])
+    return module.run(config, beam_args=beam_args)
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="experiment YAML, e.g. configs/demo.yaml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set vocab.size=4000")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="padir", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    stage = commands.add_parser(
+        "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
+    stage.add_argument("name", choices=sorted(STAGE_MODULES))
+    _add_config_args(stage)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        config = config_lib.load(args.config, args.set)
+    except config_lib.ConfigError as e:
+        parser.exit(2, f"padir: config error: {e}\n")
+    if args.command == "stage":
+        artifact = run_stage(args.name, config, beam_args=extra)
+        print(f"{args.name}: {artifact.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

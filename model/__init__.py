@@ -1,0 +1,1 @@
+"""JAX/Flax: the Transformer family, noising, losses, training, decoding, checkpoints."""

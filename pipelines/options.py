@@ -1,0 +1,34 @@
+"""Command line and pipeline options shared by every Beam job.
+
+A job's flags are `--config C [--set a.b=c ...]` followed by any Beam pipeline flags,
+which override the config's `beam` section:
+
+    python -m pipelines.prepare --config configs/multi30k_en_de.yaml
+    python -m pipelines.prepare --config C --runner DataflowRunner --project P \
+        --region R --temp_location gs://BUCKET/tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from components import config as config_lib
+
+
+def parse_args(argv: Sequence[str] | None, description: str) -> tuple[config_lib.Config, list[str]]:
+    """Parses our flags; everything else is returned as Beam pipeline flags."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set vocab.size=4000")
+    known, beam_args = parser.parse_known_args(argv)
+    return config_lib.load(known.config, known.set), beam_args
+
+
+def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -> PipelineOptions:
+    """Config defaults first, command-line flags last (argparse keeps the last value)."""
+    flags = [f"--runner={config.beam.runner}", *config.beam.options, *beam_args]
+    return PipelineOptions(flags)
