@@ -36,7 +36,9 @@ class CorpusConfig:
 
     Paths may be local, `gs://`, or `http(s)://`. A TSV may sit inside a .zip
     (`tsv: deu-eng.zip`, `member: deu.txt`); `tsv_columns` says which columns hold
-    source and target (Tatoeba's export is `English<TAB>German`).
+    source and target (Tatoeba's export is `English<TAB>German`). A TSV line with other
+    than `tsv_num_columns` columns is rejected as malformed (default: just enough columns
+    for `tsv_columns`; newer Tatoeba exports add a third, attribution column).
     """
 
     source: Optional[str] = None
@@ -44,6 +46,7 @@ class CorpusConfig:
     tsv: Optional[str] = None
     member: Optional[str] = None
     tsv_columns: tuple[int, int] = (0, 1)
+    tsv_num_columns: Optional[int] = None
 
     def validate(self, where: str) -> None:
         files = self.source is not None or self.target is not None
@@ -55,6 +58,15 @@ class CorpusConfig:
             raise ConfigError(f"{where}: give source+target files or a tsv")
         if self.member is not None and self.tsv is None:
             raise ConfigError(f"{where}.member: only valid with tsv")
+        if min(self.tsv_columns) < 0 or self.tsv_columns[0] == self.tsv_columns[1]:
+            raise ConfigError(f"{where}.tsv_columns: two different column indices >= 0")
+        if self.tsv_num_columns is not None and self.tsv_num_columns <= max(self.tsv_columns):
+            raise ConfigError(f"{where}.tsv_num_columns: must exceed every index in tsv_columns")
+
+    @property
+    def expected_columns(self) -> int:
+        """How many tab-separated columns a well-formed TSV line has."""
+        return self.tsv_num_columns or max(self.tsv_columns) + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +83,8 @@ class DataConfig:
 
     If `dev` is not given, a dev split is carved from train deterministically (by the seed,
     hashing the source sentence so that all translations of one source land in one split).
-    Likewise a test split when `test` is empty. `max_train_pairs` reads only the first N
-    training pairs (the demo's slice).
+    Likewise a test split named "test" when `test` is empty. `max_train_pairs` reads only
+    the first N training pairs (the demo's slice).
     """
 
     source_lang: str = "en"
@@ -83,6 +95,22 @@ class DataConfig:
     carve_dev_fraction: float = 0.02
     carve_test_fraction: float = 0.02
     max_train_pairs: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("carve_dev_fraction", "carve_test_fraction"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"data.{name}: expected a fraction in [0, 1)")
+        if self.carve_dev_fraction + self.carve_test_fraction >= 1.0:
+            raise ConfigError("data.carve_dev_fraction + data.carve_test_fraction must be < 1")
+        if self.max_train_pairs is not None and self.max_train_pairs < 1:
+            raise ConfigError("data.max_train_pairs: expected a positive integer or null")
+        names = [test_set.name for test_set in self.test]
+        for i, name in enumerate(names):
+            # Split names become file names (`{name}-00000-of-00001.jsonl`) and id prefixes.
+            if not re.fullmatch(r"[A-Za-z0-9_.]+", name) or name in ("train", "dev", "rejects"):
+                raise ConfigError(f"data.test[{i}].name: {name!r} is not a usable split name")
+            if names.index(name) != i:
+                raise ConfigError(f"data.test[{i}].name: {name!r} is given twice")
 
 
 # --- stages ----------------------------------------------------------------------------
@@ -96,7 +124,13 @@ class PrepareConfig:
     max_length_ratio: float = 3.0  # longer/shorter side, in characters
     min_chars_for_ratio: int = 10  # the ratio test skips pairs whose shorter side is tiny
     deduplicate: bool = True
-    num_shards: int = 4
+    num_shards: int = 4  # train shards; dev and test sets are written as one file each
+
+    def __post_init__(self):
+        if self.max_chars < 1 or self.min_chars_for_ratio < 1 or self.num_shards < 1:
+            raise ConfigError("prepare.max_chars, min_chars_for_ratio and num_shards must be >= 1")
+        if self.max_length_ratio < 1.0:
+            raise ConfigError("prepare.max_length_ratio: expected a number >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +142,48 @@ class VocabConfig:
     character_coverage: float = 1.0
     byte_fallback: bool = True  # unseen characters become byte pieces, never <unk>
     max_words: int = 2_000_000  # distinct words fed to SentencePiece (most frequent)
+
+    def __post_init__(self):
+        # 6 reserved ids (components.tokenizer), then 256 byte pieces with byte fallback:
+        # caught here rather than by SentencePiece after the word count has run.
+        reserved = 6 + (256 if self.byte_fallback else 0)
+        if self.size <= reserved:
+            raise ConfigError(
+                f"vocab.size: {self.size} leaves no real pieces after {reserved} reserved"
+                f"{' and byte' if self.byte_fallback else ''} ids")
+        if not 0.0 < self.character_coverage <= 1.0:
+            raise ConfigError(f"vocab.character_coverage: must be in (0, 1], got {self.character_coverage}")
+        if self.max_words < 1:
+            raise ConfigError(f"vocab.max_words: must be positive, got {self.max_words}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodeConfig:
+    """Token ids of the training pairs, as TFRecord shards the tf.data reader buckets.
+
+    Lengths count tokens including the EOS the stage appends; longer pairs are rejected
+    (`too_many_tokens`), counted and written. Batches are padded to the smallest of
+    `bucket_boundaries` that fits both sides, so training sees only these static shapes;
+    the largest boundary must hold the longest pair the length limits admit.
+    """
+
+    max_source_len: int = 64
+    max_target_len: int = 64
+    bucket_boundaries: tuple[int, ...] = (16, 32, 64)
+    num_shards: int = 4
+
+    def __post_init__(self):
+        bounds = self.bucket_boundaries
+        if not bounds or any(b <= 0 for b in bounds) or list(bounds) != sorted(set(bounds)):
+            raise ConfigError("encode.bucket_boundaries: expected strictly increasing positive "
+                              f"lengths, got {list(bounds)}")
+        longest = max(self.max_source_len, self.max_target_len)
+        if bounds[-1] < longest:
+            raise ConfigError(
+                f"encode.bucket_boundaries: the largest boundary {bounds[-1]} is shorter than "
+                f"max_source_len/max_target_len ({longest})")
+        if min(self.max_source_len, self.max_target_len) < 1 or self.num_shards < 1:
+            raise ConfigError("encode: max_source_len, max_target_len and num_shards must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +201,139 @@ class ModelConfig:
     num_decoder_layers: int = 3
     mlp_dim: int = 1024
     dropout_rate: float = 0.1
-    max_source_len: int = 64  # tokens, including EOS (and the [LENGTH] token for PaDIR)
+    max_source_len: int = 64  # tokens, including EOS (PaDIR adds a position for [LENGTH])
     max_target_len: int = 64  # tokens, including EOS; also the number of length classes
     positional_attention: bool = True  # PaDIR decoder only
     dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+# --- training (teacher and student share one engine: model/train.py) --------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW: linear warmup to `learning_rate`, then rsqrt or cosine decay; global-norm clipping.
+
+    Weight decay applies to matrices only (never to norm scales or biases).
+    """
+
+    learning_rate: float = 5e-4  # peak, reached at the end of warmup
+    warmup_steps: int = 1000
+    decay: Literal["rsqrt", "cosine"] = "rsqrt"  # cosine decays to 0 at the last step
+    b1: float = 0.9
+    b2: float = 0.98
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0  # global gradient norm
+
+    def __post_init__(self):
+        if self.learning_rate <= 0 or self.warmup_steps < 0 or self.clip_norm <= 0:
+            raise ConfigError("optimizer: learning_rate and clip_norm must be > 0, warmup_steps >= 0")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1) or self.weight_decay < 0:
+            raise ConfigError("optimizer: b1, b2 must lie in [0, 1) and weight_decay >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainLoopConfig:
+    """Cadences and budgets of one training run (counted in optimizer steps).
+
+    Every evaluation is also checkpointed, with its dev metrics, so that the best checkpoint
+    by `best_metric` can be kept besides the latest `keep_checkpoints`.
+    """
+
+    batch_size: int = 128  # sentence pairs per step, global (all devices and hosts)
+    log_every: int = 100
+    eval_every: int = 1000  # dev loss, token accuracy and BLEU
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 2  # the latest N, plus the best by `best_metric`
+    best_metric: Literal["bleu", "loss"] = "bleu"  # dev BLEU (max) or dev loss per token (min)
+    max_minutes: Optional[float] = None  # wall budget of one invocation: checkpoint, then stop
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.keep_checkpoints < 1:
+            raise ConfigError("loop: batch_size and keep_checkpoints must be >= 1")
+        if min(self.log_every, self.eval_every, self.checkpoint_every) < 1:
+            raise ConfigError("loop: log_every, eval_every and checkpoint_every must be >= 1")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ConfigError("loop.max_minutes: expected a positive number or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """The AR teacher: trained on the original (not distilled) pairs."""
+
+    model: ModelConfig = ModelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loop: TrainLoopConfig = TrainLoopConfig()
+    steps: int = 20000
+    label_smoothing: float = 0.1  # part of the teacher's loss, not of the optimizer
+
+    def __post_init__(self):
+        if self.steps < 1 or not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError("teacher: steps must be >= 1 and label_smoothing in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentConfig:
+    """The PaDIR student: phase 1 single-stage loss, then phase 2 the unrolled loss.
+
+    Phase 2 starts from phase 1's final parameters (and continues its data stream) with a
+    fresh optimizer, warmup included.
+    """
+
+    model: ModelConfig = ModelConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loop: TrainLoopConfig = TrainLoopConfig()
+    phase1_steps: int = 20000
+    phase2_steps: int = 10000
+    num_stages: int = 2  # stages unrolled in phase 2 (phase 1 always uses 1)
+    remask_stutter: bool = False  # phase 2: re-mask stage-1 tokens equal to their left neighbour
+    label_smoothing: float = 0.1  # of the token cross-entropies (not of the length loss)
+
+    def __post_init__(self):
+        if self.phase1_steps < 1 or self.phase2_steps < 0 or self.num_stages < 1:
+            raise ConfigError("train: phase1_steps >= 1, phase2_steps >= 0, num_stages >= 1")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError("train.label_smoothing: expected a value in [0, 1)")
+
+
+# Logical axis -> mesh axes, in priority order (flax `logical_to_mesh_axes` semantics: an
+# array dimension takes the first rule whose mesh axes are still free in that array). The
+# batch splits over both axes (FSDP also splits data); weights shard their largest dimension
+# over "fsdp". An empty list means replicated.
+DEFAULT_LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", ("fsdp",)),
+    ("mlp", ("fsdp",)),
+    ("heads", ("fsdp",)),
+    ("embed", ("fsdp",)),
+    ("kv", ()),
+    ("length", ()),
+    ("position", ()),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (axes "data", "fsdp") for both training stages.
+
+    `data: -1` takes all devices not used by `fsdp`. `distributed: true` calls
+    `jax.distributed.initialize()` first (multi-host TPU slices).
+    """
+
+    data: int = -1
+    fsdp: int = 1
+    distributed: bool = False
+    logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_AXIS_RULES
+
+    def __post_init__(self):
+        if self.fsdp < 1 or (self.data < 1 and self.data != -1):
+            raise ConfigError("mesh: fsdp must be >= 1 and data >= 1 or -1 (all devices)")
+        for logical, mesh_axes in self.logical_axis_rules:
+            unknown = [a for a in mesh_axes if a not in ("data", "fsdp")]
+            if unknown:
+                raise ConfigError(
+                    f"mesh.logical_axis_rules: '{logical}' maps to unknown mesh axes {unknown}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +354,10 @@ class Config:
     data: DataConfig = DataConfig()
     prepare: PrepareConfig = PrepareConfig()
     vocab: VocabConfig = VocabConfig()
+    encode: EncodeConfig = EncodeConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    train: StudentConfig = StudentConfig()
+    mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
         self.data.train.validate("data.train")

@@ -21,7 +21,8 @@ class StageSpec:
 
 STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(sections=("data", "prepare", "seed"), inputs=()),
-    "vocab": StageSpec(sections=("vocab",), inputs=("prepare",)),
+    "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",)),
+    "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab")),
 }
 
 

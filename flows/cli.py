@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from typing import Sequence
 
+from components import artifacts
 from components import config as config_lib
+from components.corpus import CorpusError
+
+# Errors that mean "the input is wrong", reported as one line rather than a traceback.
+USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
 
 # Stage name -> module whose `run(config, beam_args)` computes it (imported on use: heavy).
 STAGE_MODULES = {
     "prepare": "pipelines.prepare",
     "vocab": "pipelines.vocab",
+    "encode": "pipelines.encode",
 }
 
 
@@ -41,13 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_lib.load(args.config, args.set)
-    except config_lib.ConfigError as e:
-        parser.exit(2, f"padir: config error: {e}\n")
-    if args.command == "stage":
-        artifact = run_stage(args.name, config, beam_args=extra)
-        print(f"{args.name}: {artifact.uri}")
+        if args.command == "stage":
+            artifact = run_stage(args.name, config, beam_args=extra)
+            print(f"{args.name}: {artifact.uri}")
+    except USER_ERRORS as e:
+        parser.exit(2, f"padir: error: {e}\n")
     return 0
 
 

@@ -1,0 +1,147 @@
+"""Training throughput of the AR teacher and the PaDIR student (phase 1 and phase 2 losses).
+
+Runs the engine's own jitted train step (model/train.py: placement, donation, shardings) on
+synthetic full-length batches and prints, per model: step time (best and median of the timed steps), tokens/s and
+achieved FLOP/s at the best step, and that as a fraction of the FLOP/s of a 2048^3 float32
+matmul (best of 5) measured in the same process right after (the practical ceiling here).
+
+FLOPs per step, counted on the padded shapes (the synthetic batches have no padding):
+  6 x (N_enc x B x S' + (N_dec + V x D) x B x T x K)      matmuls, forward + backward
+  + 12 x B x D x sum over attention modules of (Lq x Lk)  QK^T and AV, forward + backward
+N_enc/N_dec: encoder/decoder parameters without position tables; V x D: the tied output
+projection; S' = S (+1 for PaDIR's [LENGTH] token); K: decoder passes (the unrolled stages);
+decoder attention per layer: T x T self, T x S' cross, and PaDIR's T x T positional attention.
+
+    python benchmarks/train_throughput.py [--batch 64 --length 32 --steps 5 --vocab 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from components.config import MeshConfig, ModelConfig, OptimizerConfig
+from model import sharding, train
+from model.models import ARModel, PaDIRModel
+
+FIRST_REAL_ID = 6
+
+
+def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of an n x n float32 matmul (best of `reps`, after a compiling call)."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+    matmul = jax.jit(jnp.matmul)
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def _count(tree, skip=()) -> int:
+    return sum(
+        int(np.prod(leaf.shape))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if not any(name in jax.tree_util.keystr(path) for name in skip)
+    )
+
+
+def step_flops(params, cfg: ModelConfig, vocab: int, batch: int, src: int, tgt: int,
+               padir: bool, stages: int) -> tuple[float, int]:
+    """(FLOPs of one train step, parameter count); see the module docstring."""
+    n_enc = _count(params["encoder"], skip=("pos_embedding",))
+    n_dec = _count(params["decoder"], skip=("pos_embedding",))
+    src_len = src + 1 if padir else src
+    matmuls = 6 * (n_enc * batch * src_len + (n_dec + vocab * cfg.d_model) * batch * tgt * stages)
+    pairs = cfg.num_encoder_layers * src_len * src_len
+    per_decoder_pass = cfg.num_decoder_layers * (tgt * tgt + tgt * src_len)
+    if padir and cfg.positional_attention:
+        per_decoder_pass += cfg.num_decoder_layers * tgt * tgt
+    pairs += per_decoder_pass * stages
+    attention = 12 * batch * cfg.d_model * pairs
+    return float(matmuls + attention), _count(params)
+
+
+def synthetic_batch(rng: np.random.Generator, vocab: int, batch: int, src: int, tgt: int):
+    """Full-length rows of random real pieces, each ending in EOS (id 1)."""
+    source = rng.integers(FIRST_REAL_ID, vocab, size=(batch, src), dtype=np.int32)
+    target = rng.integers(FIRST_REAL_ID, vocab, size=(batch, tgt), dtype=np.int32)
+    source[:, -1] = target[:, -1] = 1
+    return {"source": source, "target": target}
+
+
+def measure(name, model, num_stages, args, rng) -> dict:
+    cfg = model.config
+    padir = isinstance(model, PaDIRModel)
+    tx, _ = train.make_optimizer(OptimizerConfig(), total_steps=1000)
+    placement = train.place(model, tx, MeshConfig())
+    state = placement.create_state(seed=0)
+    steps = train.compile_steps(model, tx, placement.state_shardings, placement.batch_sharding,
+                                num_stages=num_stages, remask_stutter=False)
+    batch = sharding.shard_batch(
+        synthetic_batch(rng, args.vocab, args.batch, args.length, args.length),
+        placement.batch_sharding,
+    )
+    flops, num_params = step_flops(state.params, cfg, args.vocab, args.batch, args.length,
+                                   args.length, padir, num_stages)
+    start = time.perf_counter()
+    for _ in range(2):  # compile + one warm step
+        state, metrics = steps.train(state, batch)
+    jax.block_until_ready(state)
+    warmup = time.perf_counter() - start
+    times = []
+    for _ in range(args.steps):  # each step timed alone: the machine is shared
+        start = time.perf_counter()
+        state, metrics = steps.train(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    ceiling = matmul_flops_per_s()
+    seconds = min(times)  # least disturbed by other processes, like the ceiling's best-of
+    target_tokens = args.batch * args.length
+    return {
+        "model": name,
+        "params_M": round(num_params / 1e6, 2),
+        "step_s": round(seconds, 4),
+        "median_step_s": round(float(np.median(times)), 4),
+        "target_tokens_per_s": round(target_tokens / seconds),
+        "all_tokens_per_s": round(2 * target_tokens / seconds),
+        "step_GFLOP": round(flops / 1e9, 1),
+        "achieved_GFLOP_per_s": round(flops / seconds / 1e9, 1),
+        "matmul_GFLOP_per_s": round(ceiling / 1e9, 1),
+        "fraction_of_matmul": round(flops / seconds / ceiling, 3),
+        "compile_and_warmup_s": round(warmup, 1),
+        "loss": round(float(metrics["objective"]), 3),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--length", type=int, default=32, help="source and target length")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model")
+    parser.add_argument("--vocab", type=int, default=8000)
+    args = parser.parse_args(argv)
+    cfg = ModelConfig()  # the small default: d_model 256, 3+3 layers
+    rng = np.random.default_rng(0)
+    print(f"devices: {jax.devices()}  batch {args.batch} x length {args.length}, "
+          f"vocab {args.vocab}, d_model {cfg.d_model}, "
+          f"{cfg.num_encoder_layers}+{cfg.num_decoder_layers} layers")
+    runs = [
+        ("teacher (AR)", ARModel(cfg, args.vocab, label_smoothing=0.1), 1),
+        ("PaDIR phase 1 (K=1)", PaDIRModel(cfg, args.vocab, FIRST_REAL_ID), 1),
+        ("PaDIR phase 2 (K=2)", PaDIRModel(cfg, args.vocab, FIRST_REAL_ID), 2),
+    ]
+    for name, model, stages in runs:
+        print(json.dumps(measure(name, model, stages, args, rng)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Parallel corpus IO and the per-pair logic of the `prepare` stage (plain Python, no Beam).
+
+Reading: a corpus is two line-aligned files (plain or .gz) or one TSV, optionally a member
+of a .zip, at a local path, an http(s) URL or `gs://` (all through fsspec). Lines are read
+as bytes, so that invalid UTF-8 is rejected per line and only `\\n` ends a line (U+2028 or
+U+0085 inside a sentence never shifts the alignment of the two sides).
+
+Cleaning a pair (`clean_pair`): decode as UTF-8, then `normalise` each side: control and
+format characters (Unicode Cc/Cf) are removed, except that the whitespace ones (tab,
+newline, CR, ...) become spaces; then NFC; then runs of whitespace collapse to one space
+and both ends are stripped.
+
+Rejection reasons (`REASONS`): every rejected pair is kept with its reason, never dropped.
+  malformed     a TSV line without the expected number of tab-separated columns
+  invalid_utf8  a side is not valid UTF-8
+  empty         a side is empty after normalisation
+  too_long      a side has more than `prepare.max_chars` characters
+  length_ratio  longer/shorter side in characters above `prepare.max_length_ratio`, tested
+                only when the shorter side has at least `prepare.min_chars_for_ratio` chars
+  duplicate     the same (source, target) after normalisation as a pair with a lower id
+
+Given dev and test sets are official: they are normalised and rejected only when they are
+unusable (malformed, invalid_utf8, empty). The length filters and de-duplication apply to
+pairs read from train alone (including those carved into dev/test from it), so that a
+filter setting never silently changes an official evaluation set, and dev/test are not
+de-duplicated against train. Rejected dev/test pairs are counted under their split name.
+
+Splits: a pair's id is `"{split_of_origin}:{line:06d}"` (0-based line in the raw input,
+e.g. `train:000123`) and never changes. When dev or test sets are not given, they are
+carved from train by `carve_split`, hashing (seed, normalised source) so that all
+translations of one source sentence land in the same split.
+
+Output contract of the stage (read it with `read_split`): `{split}-SSSSS-of-NNNNN.jsonl`
+files of `{"id", "source", "target"}` lines for `train`, `dev` and each test set name
+(`test` when carved), and `rejects-SSSSS-of-NNNNN.jsonl` of
+`{"id", "split", "reason", "source", "target"}` (undecodable bytes shown as `\\xNN`).
+Which shard holds a pair is up to the runner; `read_split` returns a split in id order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import unicodedata
+from typing import Iterable, Iterator, Optional, Union
+
+import fsspec
+
+from components import artifacts
+from components.config import CorpusConfig, DataConfig, PrepareConfig
+
+REASONS = ("malformed", "invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
+TRAIN, DEV, CARVED_TEST, REJECTS = "train", "dev", "test", "rejects"
+
+
+class CorpusError(ValueError):
+    """A structural problem with the input (missing file, misaligned sides): nothing was run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    """One corpus to read: the split it belongs to, where it is, and how many lines to read."""
+
+    split: str
+    corpus: CorpusConfig
+    limit: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RawPair:
+    """One input line (or pair of lines) as bytes, before decoding."""
+
+    id: str
+    split: str  # of origin
+    source: bytes
+    target: bytes
+    malformed: bool = False  # then `source` holds the whole TSV line
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """A normalised pair; `split` is the split of origin (before carving)."""
+
+    id: str
+    split: str
+    source: str
+    target: str
+
+    def to_json(self) -> str:
+        return json.dumps({"id": self.id, "source": self.source, "target": self.target},
+                          ensure_ascii=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    id: str
+    split: str
+    reason: str
+    source: str
+    target: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+
+# --- ids and splits --------------------------------------------------------------------
+
+
+def make_id(split: str, line: int) -> str:
+    return f"{split}:{line:06d}"
+
+
+def id_sort_key(pair_id: str) -> tuple[str, int]:
+    """Orders ids by split of origin, then by line number (numerically, past 999,999)."""
+    split, line = pair_id.rsplit(":", 1)
+    return split, int(line)
+
+
+def output_splits(data: DataConfig) -> tuple[str, ...]:
+    """The splits the stage writes: train, dev, then the test sets (or the carved `test`)."""
+    tests = tuple(t.name for t in data.test) or (CARVED_TEST,)
+    return (TRAIN, DEV, *tests)
+
+
+def carve_split(source: str, *, seed: int, data: DataConfig) -> str:
+    """The split a pair read from train goes to: `train`, or a carved `dev` or `test`.
+
+    The unit interval is cut into fixed bands, [0, test_fraction) for test and the next
+    dev_fraction for dev, so carving one split never moves the pairs of the other. Only the
+    splits that are not given in the config are carved.
+    """
+    digest = hashlib.sha256(f"{seed}\t{source}".encode("utf-8")).digest()
+    u = int.from_bytes(digest[:8], "big") / 2.0**64
+    if u < data.carve_test_fraction:
+        return CARVED_TEST if not data.test else TRAIN
+    if u < data.carve_test_fraction + data.carve_dev_fraction:
+        return DEV if data.dev is None else TRAIN
+    return TRAIN
+
+
+def output_split(pair: Pair, *, seed: int, data: DataConfig) -> str:
+    """Given dev/test pairs stay in their split; train pairs may be carved out."""
+    if pair.split != TRAIN:
+        return pair.split
+    return carve_split(pair.source, seed=seed, data=data)
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def corpus_specs(data: DataConfig) -> tuple[CorpusSpec, ...]:
+    """Every corpus the stage reads, with its split of origin."""
+    specs = [CorpusSpec(TRAIN, data.train, data.max_train_pairs)]
+    if data.dev is not None:
+        specs.append(CorpusSpec(DEV, data.dev))
+    specs.extend(CorpusSpec(t.name, t.corpus) for t in data.test)
+    return tuple(specs)
+
+
+def _tsv_uri(corpus: CorpusConfig) -> str:
+    return f"zip://{corpus.member}::{corpus.tsv}" if corpus.member else corpus.tsv
+
+
+def read_lines(uri: str) -> Iterator[bytes]:
+    """The lines of a (possibly compressed) file as bytes, without the line ending."""
+    with fsspec.open(uri, "rb", compression="infer") as f:
+        for line in f:
+            if line.endswith(b"\n"):
+                line = line[:-1]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            yield line
+
+
+def count_lines(uri: str, where: str) -> int:
+    """Line count of one file; unreadable or missing files raise CorpusError."""
+    try:
+        return sum(1 for _ in read_lines(uri))
+    except (OSError, EOFError, KeyError) as e:  # KeyError: no such member in a zip
+        raise CorpusError(f"{where}: cannot read {uri}: {e!r}") from e
+
+
+def check_corpus(spec: CorpusSpec) -> int:
+    """Checks one corpus before any work starts; returns its number of lines (pairs).
+
+    Raises:
+      CorpusError: a file is missing or unreadable, or the two sides differ in length.
+    """
+    where = f"data.{spec.split}"
+    corpus = spec.corpus
+    if corpus.tsv is not None:
+        return count_lines(_tsv_uri(corpus), where)
+    sources = count_lines(corpus.source, f"{where}.source")
+    targets = count_lines(corpus.target, f"{where}.target")
+    if sources != targets:
+        raise CorpusError(
+            f"{where}: source and target files are not line-aligned: "
+            f"{corpus.source} has {sources} lines, {corpus.target} has {targets} lines")
+    return sources
+
+
+def read_pairs(spec: CorpusSpec) -> Iterator[RawPair]:
+    """The raw pairs of one corpus in file order (the first `spec.limit` only, if set)."""
+    corpus = spec.corpus
+    if corpus.tsv is not None:
+        columns = corpus.expected_columns
+        i, j = corpus.tsv_columns
+        lines = enumerate(read_lines(_tsv_uri(corpus)))
+        for n, line in itertools.islice(lines, spec.limit):
+            fields = line.split(b"\t")  # a tab byte never occurs inside a UTF-8 sequence
+            if len(fields) != columns:
+                yield RawPair(make_id(spec.split, n), spec.split, line, b"", malformed=True)
+            else:
+                yield RawPair(make_id(spec.split, n), spec.split, fields[i], fields[j])
+        return
+    try:
+        # strict: the lengths were checked up front, so a difference means a file changed.
+        lines = enumerate(zip(read_lines(corpus.source), read_lines(corpus.target), strict=True))
+        for n, (source, target) in itertools.islice(lines, spec.limit):
+            yield RawPair(make_id(spec.split, n), spec.split, source, target)
+    except ValueError as e:
+        raise CorpusError(f"data.{spec.split}: {corpus.source} and {corpus.target} are no "
+                          f"longer line-aligned (changed since the check?): {e}") from e
+
+
+# --- cleaning --------------------------------------------------------------------------
+
+
+def normalise(text: str) -> str:
+    """Cc/Cf removed (whitespace controls become spaces), NFC, whitespace collapsed."""
+    if not text.isprintable():  # fast path: printable text has no Cc/Cf characters
+        text = "".join(
+            (" " if ch.isspace() else "") if unicodedata.category(ch) in ("Cc", "Cf") else ch
+            for ch in text)
+    # NFC after removing controls: a removed format character can leave a sequence that
+    # composes (e + ZWJ + combining acute -> é).
+    text = unicodedata.normalize("NFC", text)
+    return " ".join(text.split())
+
+
+def check_pair(source: str, target: str, config: PrepareConfig, *, filter_lengths: bool
+               ) -> Optional[str]:
+    """The rejection reason of a normalised pair, or None if it is kept.
+
+    Args:
+      filter_lengths: apply `too_long` and `length_ratio` (train only; see module docstring).
+    """
+    if not source or not target:
+        return "empty"
+    if not filter_lengths:
+        return None
+    shorter, longer = sorted((len(source), len(target)))
+    if longer > config.max_chars:
+        return "too_long"
+    if shorter >= config.min_chars_for_ratio and longer / shorter > config.max_length_ratio:
+        return "length_ratio"
+    return None
+
+
+def _show(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="backslashreplace")
+
+
+def clean_pair(raw: RawPair, config: PrepareConfig) -> Union[Pair, Reject]:
+    """Decodes, normalises and checks one raw pair (everything but de-duplication)."""
+    if raw.malformed:
+        return Reject(raw.id, raw.split, "malformed", _show(raw.source), _show(raw.target))
+    try:
+        source, target = raw.source.decode("utf-8"), raw.target.decode("utf-8")
+    except UnicodeDecodeError:
+        return Reject(raw.id, raw.split, "invalid_utf8", _show(raw.source), _show(raw.target))
+    source, target = normalise(source), normalise(target)
+    reason = check_pair(source, target, config, filter_lengths=raw.split == TRAIN)
+    if reason is not None:
+        return Reject(raw.id, raw.split, reason, source, target)
+    return Pair(raw.id, raw.split, source, target)
+
+
+def drop_duplicates(pairs: Iterable[Pair]) -> tuple[Pair, list[Reject]]:
+    """Of pairs with the same text, keeps the one with the lowest id; rejects the others."""
+    first, *others = sorted(pairs, key=lambda p: id_sort_key(p.id))
+    return first, [Reject(p.id, p.split, "duplicate", p.source, p.target) for p in others]
+
+
+# --- the prepared artifact -------------------------------------------------------------
+
+
+def split_pattern(artifact_uri: str, split: str) -> str:
+    """The glob matching every shard of `split` (or `rejects`) in a prepare artifact."""
+    return artifacts.join(artifact_uri, f"{split}-?????-of-?????.jsonl")
+
+
+def read_split(artifact_uri: str, split: str) -> Iterator[dict]:
+    """The records of one split of a prepare artifact, in id order.
+
+    Raises:
+      FileNotFoundError: the artifact has no files for `split`.
+    """
+    pattern = split_pattern(artifact_uri, split)
+    fs, path = artifacts.filesystem(pattern)
+    files = sorted(fs.glob(path))
+    if not files:
+        raise FileNotFoundError(f"no files match {pattern}")
+    records = []
+    for file in files:
+        with fs.open(file, "rb") as f:
+            # Split on b"\n" only: text may hold U+2028 or U+0085, which str.splitlines breaks on.
+            records.extend(json.loads(line) for line in f.read().split(b"\n") if line)
+    records.sort(key=lambda r: id_sort_key(r["id"]))
+    yield from records

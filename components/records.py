@@ -1,0 +1,110 @@
+"""The encode stage's records: one pair's token ids as a `tf.train.Example` in TFRecord shards.
+
+An encode artifact holds, per split (`train`, `dev`):
+
+    {split}-SSSSS-of-NNNNN.tfrecord   one serialized tf.train.Example per pair (FEATURES below)
+    rejects/{split}-00000-of-00001.jsonl   pairs over the length limits, with their reason
+    stats/{split}.json                token length histograms (summarised into the manifest)
+
+Features of an Example:
+
+    id              bytes       the prepared pair's id (aligns outputs with references)
+    source, target  int64 list  piece ids followed by EOS (1); never padded, never empty
+    source_length   int64       len(source)
+    target_length   int64       len(target)
+
+The element logic here is plain Python (the Beam job wraps it; tests call it directly).
+TensorFlow is imported on first use only: the writer needs its protos, not its runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional, Sequence
+
+from components import artifacts
+from components.tokenizer import EOS_ID
+
+SPLITS = ("train", "dev")
+SUFFIX = ".tfrecord"
+TOO_MANY_TOKENS = "too_many_tokens"
+REASONS = (TOO_MANY_TOKENS,)
+
+
+def shard_prefix(artifact_uri: str, split: str) -> str:
+    """The path prefix the Beam writer completes with `-SSSSS-of-NNNNN.tfrecord`."""
+    return artifacts.join(artifact_uri, split)
+
+
+def split_pattern(artifact_uri: str, split: str) -> str:
+    """The glob matching every TFRecord shard of `split` in an encode artifact."""
+    return artifacts.join(artifact_uri, f"{split}-?????-of-?????{SUFFIX}")
+
+
+def stats_path(artifact_uri: str, split: str) -> str:
+    return artifacts.join(artifact_uri, "stats", f"{split}.json")
+
+
+def with_eos(ids: Sequence[int]) -> list[int]:
+    """Piece ids -> the stored sequence: the pieces, then EOS."""
+    return [int(i) for i in ids] + [EOS_ID]
+
+
+def check_lengths(source_len: int, target_len: int, *, max_source_len: int,
+                  max_target_len: int) -> Optional[str]:
+    """The reject reason of a pair of stored lengths (EOS included), or None if it fits."""
+    if source_len > max_source_len or target_len > max_target_len:
+        return TOO_MANY_TOKENS
+    return None
+
+
+def bucket_of(source_len: int, target_len: int, boundaries: Sequence[int]) -> int:
+    """The smallest boundary that holds both sides (the padded length of its batch).
+
+    Raises:
+      ValueError: the pair is longer than the largest boundary.
+    """
+    longest = max(source_len, target_len)
+    for boundary in boundaries:
+        if longest <= boundary:
+            return boundary
+    raise ValueError(f"a pair of {longest} tokens exceeds the largest bucket {boundaries[-1]}")
+
+
+def serialize_example(pair_id: str, source: Sequence[int], target: Sequence[int]) -> bytes:
+    """One encoded pair as a serialized tf.train.Example (see the module docstring)."""
+    import tensorflow as tf
+
+    def ints(values):
+        return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
+
+    example = tf.train.Example(features=tf.train.Features(feature={
+        "id": tf.train.Feature(bytes_list=tf.train.BytesList(value=[pair_id.encode("utf-8")])),
+        "source": ints(source),
+        "target": ints(target),
+        "source_length": ints([len(source)]),
+        "target_length": ints([len(target)]),
+    }))
+    return example.SerializeToString()
+
+
+def summarize_lengths(histogram: Mapping[int, int]) -> dict:
+    """{length: count} -> count, mean, p95 (nearest rank), max and the histogram itself.
+
+    The histogram's keys become strings (JSON objects); an empty one gives None figures.
+    """
+    histogram = {int(k): int(v) for k, v in histogram.items() if v}
+    total = sum(histogram.values())
+    summary = {"count": total, "mean": None, "p95": None, "max": None,
+               "histogram": {str(k): histogram[k] for k in sorted(histogram)}}
+    if not total:
+        return summary
+    rank, seen = math.ceil(0.95 * total), 0
+    for length in sorted(histogram):
+        seen += histogram[length]
+        if seen >= rank:
+            summary["p95"] = length
+            break
+    summary["mean"] = round(sum(k * v for k, v in histogram.items()) / total, 3)
+    summary["max"] = max(histogram)
+    return summary

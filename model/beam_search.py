@@ -1,0 +1,224 @@
+"""Autoregressive search with a KV cache: greedy and beam search (static shapes, jit-able).
+
+Both are pure functions over a callback
+
+    tokens_to_logits(ids int32[N, 1], cache) -> (logits float32[N, V], new cache)
+
+that runs one decoder step for N rows (N = B for greedy, B * K for beam search; cache
+leaves have N rows first, scalar leaves such as the cache index are shared by all rows),
+and an explicit state carried through `lax.while_loop`.
+
+Shapes: B batch, K beam size, T max output length, V vocab.
+
+Beam search keeps, per row, K alive hypotheses and a pool of K finished ones. Each step
+takes the K best one-token extensions of the alive hypotheses; an extension ending in EOS
+moves to the finished pool (scored with the GNMT length penalty ((5 + len) / 6) ** alpha,
+len counting EOS) and leaves its alive slot empty for that step. Taking K (not 2K, as
+tensor2tensor does) candidates makes beam size 1 exactly greedy search. A row stops when
+it has no alive hypothesis left, or its finished pool is full and no alive hypothesis can
+still beat the worst finished one (log-probabilities only fall, and with alpha >= 0 the
+penalty is largest at length T). Rows that never emit EOS return alive hypotheses of
+length T scored at length T.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
+
+# Finite so that sums of it stay comparable and NaN-free.
+NEG_INF = -1.0e7
+
+
+def length_penalty(length: jax.Array, alpha: float | jax.Array) -> jax.Array:
+    """GNMT length penalty ((5 + length) / 6) ** alpha; scores are log-prob / penalty."""
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def greedy_search(
+    tokens_to_logits: TokensToLogits,
+    cache: Any,
+    *,
+    batch_size: int,
+    max_len: int,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+) -> jax.Array:
+    """Greedy decoding: argmax each step, a row stops at its EOS.
+
+    Args:
+      tokens_to_logits: the one-step callback (see module docstring).
+      cache: the initial (empty) cache for B rows.
+      batch_size: B.
+      max_len: T.
+
+    Returns:
+      int32[B, T]: ids up to and including EOS, PAD_ID after it.
+    """
+
+    def cond(state):
+        step, _, _, done, _ = state
+        return (step < max_len) & ~jnp.all(done)
+
+    def body(state):
+        step, tokens, last, done, cache = state
+        logits, cache = tokens_to_logits(last, cache)  # [B, V]
+        next_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+        next_ids = jnp.where(done, PAD_ID, next_ids)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_ids[:, None], step, axis=1)
+        done = done | (next_ids == eos_id)
+        return step + 1, tokens, next_ids[:, None], done, cache
+
+    state = (
+        jnp.array(0, jnp.int32),  # step
+        jnp.zeros((batch_size, max_len), jnp.int32),  # tokens [B, T]
+        jnp.full((batch_size, 1), bos_id, jnp.int32),  # last [B, 1]
+        jnp.zeros((batch_size,), bool),  # done [B]
+        cache,
+    )
+    return jax.lax.while_loop(cond, body, state)[1]
+
+
+@flax.struct.dataclass
+class BeamState:
+    """The loop state of `beam_search` (sequences carry BOS at position 0)."""
+
+    step: jax.Array  # int32[]: tokens generated so far
+    alive_seqs: jax.Array  # int32[B, K, T + 1]
+    alive_log_probs: jax.Array  # float32[B, K]; NEG_INF marks an empty slot
+    finished_seqs: jax.Array  # int32[B, K, T + 1]
+    finished_scores: jax.Array  # float32[B, K], length-penalised; NEG_INF if empty
+    finished_flags: jax.Array  # bool[B, K]
+    done: jax.Array  # bool[B]
+    cache: Any  # leaves [B * K, ...]
+
+
+def _gather_beams(x: jax.Array, beam_indices: jax.Array) -> jax.Array:
+    """x: [B, K_in, ...], beam_indices: int[B, K_out] -> [B, K_out, ...]."""
+    index = beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def _gather_cache(cache: Any, beam_indices: jax.Array) -> Any:
+    """Reorders cache leaves [B * K, ...] by int[B, K] beam indices; scalars are shared."""
+    batch, beams = beam_indices.shape
+
+    def gather(leaf):
+        if leaf.ndim == 0:
+            return leaf
+        split = leaf.reshape((batch, beams) + leaf.shape[1:])
+        return _gather_beams(split, beam_indices).reshape(leaf.shape)
+
+    return jax.tree.map(gather, cache)
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    cache: Any,
+    *,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    alpha: float | jax.Array = 0.6,
+    bos_id: int = BOS_ID,
+    eos_id: int = EOS_ID,
+) -> tuple[jax.Array, jax.Array]:
+    """Beam search with the GNMT length penalty.
+
+    Args:
+      tokens_to_logits: the one-step callback for B * K rows (row b * K + k is beam k of
+        example b). Logits of ids that must never be emitted should be masked by it.
+      cache: the initial (empty) cache for B * K rows.
+      batch_size: B.
+      beam_size: K.
+      max_len: T.
+      alpha: length penalty exponent, >= 0 (0 = plain log-probability).
+
+    Returns:
+      sequences int32[B, K, T] (ids up to EOS, then PAD_ID), best first, and their scores
+      float32[B, K] (sorted, descending).
+    """
+    batch, beams = batch_size, beam_size
+    final_penalty = length_penalty(max_len, alpha)
+
+    def cond(state: BeamState):
+        return (state.step < max_len) & ~jnp.all(state.done)
+
+    def body(state: BeamState) -> BeamState:
+        step = state.step
+        ids = jax.lax.dynamic_slice_in_dim(state.alive_seqs, step, 1, axis=2)  # [B, K, 1]
+        logits, cache = tokens_to_logits(ids.reshape(batch * beams, 1), state.cache)
+        vocab = logits.shape[-1]
+        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32)).reshape(batch, beams, vocab)
+        candidates = state.alive_log_probs[:, :, None] + log_probs  # [B, K, V]
+        top_log_probs, top_index = jax.lax.top_k(candidates.reshape(batch, beams * vocab), beams)
+        origin = top_index // vocab  # [B, K] alive beam each candidate extends
+        token = (top_index % vocab).astype(jnp.int32)  # [B, K]
+        seqs = _gather_beams(state.alive_seqs, origin)  # [B, K, T + 1]
+        seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], step + 1, axis=2)
+        cache = _gather_cache(cache, origin)
+        # Extensions of empty slots carry ~NEG_INF and are not hypotheses.
+        real = top_log_probs > NEG_INF / 2  # [B, K]
+        ended = real & (token == eos_id)  # [B, K]
+        alive_log_probs = jnp.where(real & ~ended, top_log_probs, NEG_INF)  # [B, K]
+
+        new_scores = jnp.where(ended, top_log_probs / length_penalty(step + 1, alpha), NEG_INF)
+        pool_seqs = jnp.concatenate([state.finished_seqs, seqs], axis=1)  # [B, 2K, T + 1]
+        pool_scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)  # [B, 2K]
+        pool_flags = jnp.concatenate([state.finished_flags, ended], axis=1)  # [B, 2K]
+        finished_scores, keep = jax.lax.top_k(pool_scores, beams)  # [B, K]
+        finished_seqs = _gather_beams(pool_seqs, keep)  # [B, K, T + 1]
+        finished_flags = _gather_beams(pool_flags, keep)  # [B, K]
+        # A row that is done keeps its finished pool as it was.
+        frozen = state.done
+        finished_seqs = jnp.where(frozen[:, None, None], state.finished_seqs, finished_seqs)
+        finished_scores = jnp.where(frozen[:, None], state.finished_scores, finished_scores)
+        finished_flags = jnp.where(frozen[:, None], state.finished_flags, finished_flags)
+
+        best_alive_bound = jnp.max(alive_log_probs, axis=1) / final_penalty  # [B]
+        worst_finished = jnp.min(finished_scores, axis=1)  # [B]
+        no_alive = jnp.all(alive_log_probs <= NEG_INF / 2, axis=1)  # [B]
+        cannot_improve = jnp.all(finished_flags, axis=1) & (worst_finished >= best_alive_bound)
+        return BeamState(
+            step=step + 1,
+            alive_seqs=seqs,
+            alive_log_probs=alive_log_probs,
+            finished_seqs=finished_seqs,
+            finished_scores=finished_scores,
+            finished_flags=finished_flags,
+            done=state.done | no_alive | cannot_improve,
+            cache=cache,
+        )
+
+    seqs = jnp.zeros((batch, beams, max_len + 1), jnp.int32).at[:, :, 0].set(bos_id)
+    # Only beam 0 is alive at first, so the first step does not pick K copies of one token.
+    alive_log_probs = jnp.tile(
+        jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (batch, 1)
+    )
+    state = BeamState(
+        step=jnp.array(0, jnp.int32),
+        alive_seqs=seqs,
+        alive_log_probs=alive_log_probs,
+        finished_seqs=seqs,
+        finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
+        finished_flags=jnp.zeros((batch, beams), bool),
+        done=jnp.zeros((batch,), bool),
+        cache=cache,
+    )
+    state = jax.lax.while_loop(cond, body, state)
+
+    # Rows with no finished hypothesis fall back to their alive ones (length T, no EOS).
+    any_finished = jnp.any(state.finished_flags, axis=1)  # [B]
+    seqs = jnp.where(any_finished[:, None, None], state.finished_seqs, state.alive_seqs)
+    scores = jnp.where(
+        any_finished[:, None], state.finished_scores, state.alive_log_probs / final_penalty
+    )
+    scores, order = jax.lax.top_k(scores, beams)  # [B, K], descending
+    return _gather_beams(seqs, order)[:, :, 1:], scores

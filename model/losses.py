@@ -1,0 +1,187 @@
+"""Losses: token cross-entropy, the AR loss, the PaDIR K-stage unrolled loss, the length loss.
+
+Normalisation is explicit and per token: `cross_entropy` returns (sum of losses, sum of
+weights) and the objectives divide one by the other per stage. (The original sums, which
+only suits Adafactor's update clipping; with Adam the loss scale should not grow with the
+batch's token count.) Metrics are returned as sums and counts so that a trainer can add
+them over steps and devices before dividing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model.transformer import argmax_ids
+
+
+def cross_entropy(
+    logits: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    label_smoothing: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Weighted token cross-entropy with label smoothing.
+
+    With smoothing, the target distribution puts 1 - label_smoothing on the target and
+    spreads the rest evenly over the other V - 1 ids; the loss is the KL divergence to
+    it (its entropy is subtracted), so a perfect model scores 0 with or without smoothing.
+
+    Args:
+      logits: float[B, T, V].
+      targets: int32[B, T].
+      weights: float or bool[B, T]; 0 excludes a position.
+      label_smoothing: in [0, 1).
+
+    Returns:
+      (sum of weighted losses, sum of weights), float32 scalars.
+    """
+    vocab_size = logits.shape[-1]
+    confidence = 1.0 - label_smoothing
+    low = label_smoothing / (vocab_size - 1)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    soft = jax.nn.one_hot(targets, vocab_size) * (confidence - low) + low  # [B, T, V]
+    entropy = -(confidence * jnp.log(confidence))
+    if low > 0:
+        entropy -= (vocab_size - 1) * low * jnp.log(low)
+    loss = -jnp.sum(soft * log_probs, axis=-1) - entropy  # [B, T]
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(loss * weights), jnp.sum(weights)
+
+
+def correct_tokens(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """Weighted count of positions whose argmax (over target ids) is the target. Scalar."""
+    return jnp.sum((argmax_ids(logits) == targets) * weights.astype(jnp.float32))
+
+
+def _normalise(total: jax.Array, count: jax.Array) -> jax.Array:
+    return total / jnp.maximum(count, 1.0)
+
+
+def ar_loss(
+    logits: jax.Array, targets: jax.Array, *, label_smoothing: float = 0.0
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Teacher-forced AR loss over all non-pad targets.
+
+    Args:
+      logits: float[B, T, V] from the right-shifted input.
+      targets: int32[B, T] ids + EOS, 0-padded.
+
+    Returns:
+      (loss per token, metrics {loss, weights, tokens, accuracy} as sums/counts).
+    """
+    weights = targets != PAD_ID
+    total, count = cross_entropy(logits, targets, weights, label_smoothing)
+    metrics = {
+        "loss": total,
+        "weights": count,
+        "tokens": count,
+        "accuracy": correct_tokens(logits, targets, weights),
+    }
+    return _normalise(total, count), metrics
+
+
+def next_stage_input(
+    logits: jax.Array, targets: jax.Array, *, remask_stutter: bool = False
+) -> jax.Array:
+    """The decoder input of the next stage: the previous stage's argmax, no gradient.
+
+    Args:
+      logits: float[B, T, V] of the previous stage.
+      targets: int32[B, T]; only its pad positions are used (they are set to PAD_ID, as
+        at inference, where everything after the hypothesis length is pad).
+      remask_stutter: replace a token equal to its left neighbour by MASK_ID.
+
+    Returns:
+      int32[B, T].
+    """
+    ids = argmax_ids(jax.lax.stop_gradient(logits))  # [B, T]
+    if remask_stutter:
+        left = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+        ids = jnp.where(ids == left, MASK_ID, ids)
+    return jnp.where(targets == PAD_ID, PAD_ID, ids)
+
+
+def length_loss(
+    length_logits: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy of the length classifier, mean over (non-empty) examples.
+
+    Args:
+      length_logits: float[B, C]; class c is a target of c + 1 tokens counting EOS.
+      targets: int32[B, T].
+
+    Returns:
+      (mean loss, metrics {length_loss, length_accuracy, examples} as sums/counts).
+    """
+    num_classes = length_logits.shape[-1]
+    lengths = jnp.sum(targets != PAD_ID, axis=-1)  # [B]
+    classes = jnp.clip(lengths - 1, 0, num_classes - 1)
+    present = (lengths > 0).astype(jnp.float32)  # all-pad rows fill a short batch
+    log_probs = jax.nn.log_softmax(length_logits.astype(jnp.float32), axis=-1)
+    losses = -jnp.take_along_axis(log_probs, classes[:, None], axis=-1)[:, 0]  # [B]
+    total = jnp.sum(losses * present)
+    count = jnp.sum(present)
+    correct = jnp.sum((jnp.argmax(length_logits, axis=-1) == classes) * present)
+    metrics = {"length_loss": total, "length_accuracy": correct, "examples": count}
+    return _normalise(total, count), metrics
+
+
+def padir_loss(
+    logits_fn: Callable[[jax.Array, int], jax.Array],
+    targets: jax.Array,
+    noised_ids: jax.Array,
+    noised_mask: jax.Array,
+    length_logits: jax.Array,
+    *,
+    num_stages: int = 1,
+    remask_stutter: bool = False,
+    label_smoothing: float = 0.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The PaDIR K-stage unrolled loss plus the length loss.
+
+    Stage 1 decodes the noised gold target and is weighted on the noised positions and
+    EOS. Stage k > 1 decodes `next_stage_input` of stage k - 1 (argmax, no gradient, pads
+    zeroed, optionally stutter re-masked) and is weighted on all non-pad targets, so the
+    model learns to repair its own first-pass output as it must at inference. Each stage is
+    normalised per token, stages are summed with equal weight, the length loss is added.
+
+    Args:
+      logits_fn: (hypothesis int32[B, T], stage) -> logits float[B, T, V]; `stage` (1-based,
+        a Python int) lets the caller draw separate dropout per stage.
+      targets: int32[B, T] ids + EOS, 0-padded.
+      noised_ids, noised_mask: from `noising.noise_targets`.
+      length_logits: float[B, C] from the length classifier.
+      num_stages: K, static (1 in phase 1, 2 in phase 2).
+      remask_stutter: re-mask stutter in the input of stages k > 1.
+      label_smoothing: for the token cross-entropies (not the length loss).
+
+    Returns:
+      (loss, metrics). Metrics are sums/counts: `loss`, `weights`, `accuracy` for stage 1;
+      `loss_stage{k}`, `weights_stage{k}`, `accuracy_stage{k}` for k > 1; `tokens` (non-pad
+      targets); `length_loss`, `length_accuracy`, `examples`.
+    """
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    non_pad = targets != PAD_ID
+    hypothesis = noised_ids
+    weights = noised_mask | (targets == EOS_ID)
+    objective = jnp.zeros((), jnp.float32)
+    metrics = {"tokens": jnp.sum(non_pad.astype(jnp.float32))}
+    for stage in range(1, num_stages + 1):
+        if stage > 1:
+            hypothesis = next_stage_input(logits, targets, remask_stutter=remask_stutter)
+            weights = non_pad
+        logits = logits_fn(hypothesis, stage)  # [B, T, V]
+        total, count = cross_entropy(logits, targets, weights, label_smoothing)
+        objective = objective + _normalise(total, count)
+        suffix = "" if stage == 1 else f"_stage{stage}"
+        metrics[f"loss{suffix}"] = total
+        metrics[f"weights{suffix}"] = count
+        metrics[f"accuracy{suffix}"] = correct_tokens(logits, targets, weights)
+    mean_length_loss, length_metrics = length_loss(length_logits, targets)
+    metrics.update(length_metrics)
+    return objective + mean_length_loss, metrics

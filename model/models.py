@@ -1,0 +1,339 @@
+"""The model interface shared by the AR teacher and the PaDIR student (T5X models.py style).
+
+`ARModel` and `PaDIRModel` wrap a Linen module with what every stage that trains, decodes
+or scores needs, and nothing about optimisation:
+
+    params = model.init(rng, batch)                      # plain arrays, no boxes
+    loss, metrics = model.loss_fn(params, batch, rng, num_stages=..., remask_stutter=...)
+    tokens = model.predict_batch(params, batch)          # int32[B, T]
+
+A batch is `{"source": int32[B, S], "target": int32[B, T]}`: ids followed by EOS,
+right-padded with 0. T <= max_target_len and S <= max_source_len (PaDIR's encoder has one
+more position, for the [LENGTH] token it prepends). Metrics are
+sums and counts (divide `loss` by `weights`, `accuracy` by `weights`, `length_accuracy` by
+`examples` after summing over steps/devices).
+
+Sharding: `init` works under `jax.eval_shape`, and `logical_axes(batch)` gives the logical
+axis names of every parameter (a tree of PartitionSpecs shaped like `init`'s output), so a
+trainer can do `nn.logical_to_mesh_sharding(model.logical_axes(batch), mesh, rules)` and
+`jax.jit(model.init, out_shardings=...)`.
+
+All methods are pure and jit-able (static shapes); jit them at the call site, with
+`beam_size` static for `ARModel.beam_search`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from components.config import ModelConfig
+from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model import beam_search as search
+from model import losses, noising
+from model.transformer import (
+    ARTransformer,
+    PaDIRTransformer,
+    argmax_ids,
+    mask_non_target_ids,
+)
+
+Batch = dict[str, jax.Array]
+Params = Any
+
+
+def _init_inputs(batch: Batch) -> tuple[jax.Array, jax.Array]:
+    # Only shapes matter for init; ones avoid all-pad masks.
+    return (
+        jnp.ones(batch["source"].shape, jnp.int32),
+        jnp.ones(batch["target"].shape, jnp.int32),
+    )
+
+
+def _output_length(config: ModelConfig, batch: Batch) -> int:
+    return batch["target"].shape[1] if "target" in batch else config.max_target_len
+
+
+def truncate_after_eos(ids: jax.Array) -> jax.Array:
+    """Sets every id after the first EOS of a row to PAD_ID. int32[B, T] -> int32[B, T]."""
+    is_eos = (ids == EOS_ID).astype(jnp.int32)
+    eos_before = jnp.cumsum(is_eos, axis=1) - is_eos  # EOS strictly to the left
+    return jnp.where(eos_before > 0, PAD_ID, ids)
+
+
+def masked_hypothesis(lengths: jax.Array, max_len: int) -> jax.Array:
+    """The all-[MASK] hypothesis of a given length.
+
+    Args:
+      lengths: int32[B], target lengths counting EOS, in [1, max_len].
+      max_len: T.
+
+    Returns:
+      int32[B, T]: MASK_ID before position length - 1, EOS_ID there, PAD_ID after.
+    """
+    positions = jnp.arange(max_len)[None, :]  # [1, T]
+    eos_at = (lengths - 1)[:, None]  # [B, 1]
+    return jnp.where(
+        positions < eos_at, MASK_ID, jnp.where(positions == eos_at, EOS_ID, PAD_ID)
+    ).astype(jnp.int32)
+
+
+class _BaseModel:
+    """What both models share: init and logical axes."""
+
+    config: ModelConfig
+    vocab_size: int
+    label_smoothing: float
+
+    @property
+    def module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def _init_variables(self, rng: jax.Array, batch: Batch) -> Any:
+        source, target = _init_inputs(batch)
+        return self.module.init({"params": rng}, source, target, deterministic=True)["params"]
+
+    def init(self, rng: jax.Array, batch: Batch) -> Params:
+        """Fresh parameters (plain arrays). Only the shapes of `batch` are used."""
+        return nn.unbox(self._init_variables(rng, batch))
+
+    def logical_axes(self, batch: Batch) -> Any:
+        """Logical axis names per parameter: a PartitionSpec tree shaped like `init`'s."""
+        abstract = jax.eval_shape(self._init_variables, jax.random.key(0), batch)
+        return nn.get_partition_spec(abstract)
+
+
+@dataclasses.dataclass(frozen=True)
+class ARModel(_BaseModel):
+    """The autoregressive teacher.
+
+    Attributes:
+      config: the model config.
+      vocab_size: V, read from the vocab artifact.
+      label_smoothing: of the training cross-entropy.
+    """
+
+    config: ModelConfig
+    vocab_size: int
+    label_smoothing: float = 0.1
+
+    @property
+    def module(self) -> ARTransformer:
+        return ARTransformer(self.config, self.vocab_size)
+
+    def loss_fn(
+        self,
+        params: Params,
+        batch: Batch,
+        rng: jax.Array,
+        *,
+        num_stages: int = 1,
+        remask_stutter: bool = False,
+        deterministic: bool = False,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Teacher-forced loss per token. `num_stages`/`remask_stutter` are ignored (they
+        exist so that both models take the same call). `rng` drives dropout."""
+        del num_stages, remask_stutter
+        logits = self.module.apply(
+            {"params": params},
+            batch["source"],
+            batch["target"],
+            deterministic=deterministic,
+            rngs={"dropout": rng},
+        )  # [B, T, V]
+        return losses.ar_loss(logits, batch["target"], label_smoothing=self.label_smoothing)
+
+    def encode(self, params: Params, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """source int32[B, S] -> (encoded [B, S, D], memory_mask bool[B, S])."""
+        return self.module.apply({"params": params}, source, method=ARTransformer.encode)
+
+    def init_cache(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int
+    ) -> Any:
+        """An empty KV cache for `encoded.shape[0]` rows and `max_len` steps (no compute)."""
+
+        def create(params, encoded, memory_mask):
+            inputs = jnp.zeros((encoded.shape[0], max_len), jnp.int32)
+            _, variables = self.module.apply(
+                {"params": params}, encoded, memory_mask, inputs,
+                decode=True, method=ARTransformer.decode, mutable=["cache"],
+            )
+            return variables["cache"]
+
+        shapes = jax.eval_shape(create, params, encoded, memory_mask)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def make_tokens_to_logits(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array
+    ) -> search.TokensToLogits:
+        """The one-step callback: (ids int32[N, 1], cache) -> (logits float32[N, V], cache).
+
+        `encoded`/`memory_mask` must already have N rows. Logits of ids that are never
+        targets (pad, BOS, control ids) are masked so that no search emits them.
+        """
+
+        def tokens_to_logits(ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+            logits, variables = self.module.apply(
+                {"params": params, "cache": cache}, encoded, memory_mask, ids,
+                decode=True, method=ARTransformer.decode, mutable=["cache"],
+            )  # [N, 1, V]
+            return mask_non_target_ids(logits[:, 0]), variables["cache"]
+
+        return tokens_to_logits
+
+    def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
+        """Greedy decoding. Returns int32[B, T] (T = target width, else max_target_len):
+        ids up to and including EOS, then 0."""
+        max_len = _output_length(self.config, batch)
+        encoded, memory_mask = self.encode(params, batch["source"])
+        cache = self.init_cache(params, encoded, memory_mask, max_len)
+        return search.greedy_search(
+            self.make_tokens_to_logits(params, encoded, memory_mask),
+            cache,
+            batch_size=encoded.shape[0],
+            max_len=max_len,
+        )
+
+    def beam_search(
+        self, params: Params, batch: Batch, beam_size: int, length_penalty: float = 0.6
+    ) -> tuple[jax.Array, jax.Array]:
+        """Beam search (GNMT length penalty exponent `length_penalty` >= 0).
+
+        Returns the best hypothesis int32[B, T] and its length-penalised log-probability
+        float32[B]. `beam_size` must be static under jit.
+        """
+        max_len = _output_length(self.config, batch)
+        encoded, memory_mask = self.encode(params, batch["source"])
+        batch_size = encoded.shape[0]
+        # Row b * K + k is beam k of example b.
+        encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
+        memory_mask = jnp.repeat(memory_mask, beam_size, axis=0)  # [B * K, S]
+        cache = self.init_cache(params, encoded, memory_mask, max_len)
+        seqs, scores = search.beam_search(
+            self.make_tokens_to_logits(params, encoded, memory_mask),
+            cache,
+            batch_size=batch_size,
+            beam_size=beam_size,
+            max_len=max_len,
+            alpha=length_penalty,
+        )  # [B, K, T], [B, K]
+        return seqs[:, 0], scores[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PaDIRModel(_BaseModel):
+    """The non-autoregressive PaDIR student.
+
+    Attributes:
+      config: the model config.
+      vocab_size: V, read from the vocab artifact.
+      first_real_id: the first real piece id; noise draws random pieces from
+        [first_real_id, vocab_size).
+      label_smoothing: of the token cross-entropies (not of the length loss).
+    """
+
+    config: ModelConfig
+    vocab_size: int
+    first_real_id: int
+    label_smoothing: float = 0.1
+
+    @property
+    def module(self) -> PaDIRTransformer:
+        return PaDIRTransformer(self.config, self.vocab_size)
+
+    def loss_fn(
+        self,
+        params: Params,
+        batch: Batch,
+        rng: jax.Array,
+        *,
+        num_stages: int = 1,
+        remask_stutter: bool = False,
+        deterministic: bool = False,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
+
+        `rng` drives the noise and dropout; `num_stages` and `remask_stutter` are static.
+        """
+        target = batch["target"]
+        noise_rng, dropout_rng = jax.random.split(rng)
+        noised_ids, noised_mask = noising.noise_targets(
+            noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id
+        )
+        variables = {"params": params}
+        encoded, memory_mask = self.module.apply(
+            variables, batch["source"], deterministic,
+            method=PaDIRTransformer.encode, rngs={"dropout": dropout_rng},
+        )  # [B, S + 1, D], [B, S + 1]
+        length_logits = self.module.apply(
+            variables, encoded, method=PaDIRTransformer.length_logits
+        )  # [B, max_target_len]
+
+        def logits_fn(hypothesis: jax.Array, stage: int) -> jax.Array:
+            return self.module.apply(
+                variables, encoded, memory_mask, hypothesis, deterministic,
+                method=PaDIRTransformer.decode,
+                rngs={"dropout": jax.random.fold_in(dropout_rng, stage)},
+            )  # [B, T, V]
+
+        return losses.padir_loss(
+            logits_fn,
+            target,
+            noised_ids,
+            noised_mask,
+            length_logits,
+            num_stages=num_stages,
+            remask_stutter=remask_stutter,
+            label_smoothing=self.label_smoothing,
+        )
+
+    def encode(self, params: Params, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """source int32[B, S] -> (encoded [B, S + 1, D], memory_mask bool[B, S + 1]);
+        position 0 is [LENGTH], always False in memory_mask."""
+        return self.module.apply({"params": params}, source, method=PaDIRTransformer.encode)
+
+    def length_logits(self, params: Params, encoded: jax.Array) -> jax.Array:
+        """float32[B, max_target_len]; class c = target length c + 1 counting EOS."""
+        return self.module.apply(
+            {"params": params}, encoded, method=PaDIRTransformer.length_logits
+        )
+
+    def decode_logits(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, hypothesis: jax.Array
+    ) -> jax.Array:
+        """One refinement pass: hypothesis int32[B, T] -> logits float32[B, T, V].
+
+        Ids that are never targets (pad, BOS, control ids) are masked, so an argmax or a
+        softmax over these logits only ranks ids a hypothesis may hold.
+        """
+        logits = self.module.apply(
+            {"params": params}, encoded, memory_mask, hypothesis,
+            method=PaDIRTransformer.decode,
+        )
+        return mask_non_target_ids(logits)
+
+    def make_logits_fn(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array
+    ) -> Callable[[jax.Array], jax.Array]:
+        """`decode_logits` with the encoder output bound: hypothesis -> logits."""
+        return lambda hypothesis: self.decode_logits(params, encoded, memory_mask, hypothesis)
+
+    def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
+        """One pass from an all-[MASK] input of the predicted length.
+
+        Returns int32[B, T] (T = target width, else max_target_len): the argmax at each
+        position before the predicted EOS, EOS at it, 0 after (also 0 after any earlier
+        EOS the decoder emits).
+        """
+        max_len = _output_length(self.config, batch)
+        encoded, memory_mask = self.encode(params, batch["source"])
+        classes = jnp.argmax(self.length_logits(params, encoded), axis=-1)  # [B]
+        lengths = jnp.clip(classes + 1, 1, max_len).astype(jnp.int32)  # [B]
+        hypothesis = masked_hypothesis(lengths, max_len)  # [B, T]
+        ids = argmax_ids(self.decode_logits(params, encoded, memory_mask, hypothesis))
+        ids = jnp.where(hypothesis == MASK_ID, ids, hypothesis)  # keep EOS and pads
+        return truncate_after_eos(ids)

@@ -1,0 +1,206 @@
+"""Named sharding: the mesh from `MeshConfig`, logical axis rules, placement of state and batches.
+
+The model names the axes of its parameters with logical names ("vocab", "embed", "mlp",
+"heads", "kv", "length", "position") through `nn.with_logical_partitioning`; the rule table
+in `MeshConfig.logical_axis_rules` (config data) maps them onto the mesh axes ("data",
+"fsdp"). State is initialised by shape first (`jax.eval_shape`), its shardings derived from
+the logical names, and only then materialised in place (`jax.jit(init, out_shardings=...)`),
+so no device ever holds the whole unsharded state.
+
+Batches are global: their leading axis ("batch") splits over ("data", "fsdp"). With several
+hosts each process feeds its own contiguous slice of the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from components.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp")
+BATCH = "batch"
+
+LogicalRules = tuple[tuple[str, Any], ...]
+
+
+def initialize_distributed(cfg: MeshConfig) -> None:
+    """`jax.distributed.initialize()` when the config asks for it (call before any JAX work)."""
+    if cfg.distributed and not jax.distributed.is_initialized():
+        jax.distributed.initialize()
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int]:
+    """(data, fsdp) sizes for `num_devices`; `data: -1` takes the devices `fsdp` leaves."""
+    if num_devices % cfg.fsdp:
+        raise ValueError(f"mesh.fsdp={cfg.fsdp} does not divide the {num_devices} devices")
+    data = num_devices // cfg.fsdp if cfg.data == -1 else cfg.data
+    if data * cfg.fsdp > num_devices:
+        raise ValueError(
+            f"mesh data={data} x fsdp={cfg.fsdp} needs {data * cfg.fsdp} devices, "
+            f"only {num_devices} are available"
+        )
+    return data, cfg.fsdp
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """The ("data", "fsdp") mesh over `devices` (default: all devices of all processes).
+
+    Axis types are Auto: the compiler propagates shardings from the jit boundaries, as the
+    model code (Linen, logical constraints) expects.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    return jax.make_mesh(
+        shape,
+        MESH_AXES,
+        axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+        devices=devices[: math.prod(shape)],
+    )
+
+
+def flax_rules(cfg: MeshConfig) -> LogicalRules:
+    """The config's rule table in flax's form: () -> None, (a,) -> "a", (a, b) -> (a, b)."""
+
+    def mesh_axes(axes: tuple[str, ...]) -> Any:
+        if not axes:
+            return None
+        return axes[0] if len(axes) == 1 else tuple(axes)
+
+    return tuple((logical, mesh_axes(axes)) for logical, axes in cfg.logical_axis_rules)
+
+
+def _axis_size(mesh: Mesh, axes: Any) -> int:
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def mesh_axes_for(
+    names: Sequence[Optional[str]], shape: Sequence[int], mesh: Mesh, rules: LogicalRules
+) -> PartitionSpec:
+    """The PartitionSpec of one array from its logical dimension names.
+
+    Flax's priority semantics (`nn.logical_to_mesh_axes`: rules in order, a dimension takes
+    the first rule whose mesh axes are still free in this array), except that a rule whose
+    mesh axes do not divide the dimension is skipped (jit needs even shards), so a later
+    rule, or replication, applies instead.
+    """
+    assigned: list[Any] = [None] * len(shape)
+    used: set[str] = set()
+    for logical, axes in rules:
+        if axes is None or logical not in names:
+            continue
+        dim = list(names).index(logical)
+        group = {axes} if isinstance(axes, str) else set(axes)
+        if assigned[dim] is not None or used & group or shape[dim] % _axis_size(mesh, axes):
+            continue
+        assigned[dim] = axes
+        used |= group
+    return PartitionSpec(*assigned)
+
+
+def logical_shardings(boxed_abstract: Any, mesh: Mesh, rules: LogicalRules) -> Any:
+    """NamedShardings for a tree whose leaves may carry logical names (`nn.Partitioned` boxes).
+
+    The result has the structure of the *unboxed* tree (`unbox(boxed_abstract)`). Unnamed
+    leaves (step counters, RNG keys) are replicated.
+    """
+
+    def leaf_sharding(leaf):
+        if isinstance(leaf, nn.Partitioned):
+            shape = leaf.value.shape
+            names = tuple(leaf.names) + (None,) * (len(shape) - len(leaf.names))
+            return NamedSharding(mesh, mesh_axes_for(names, shape, mesh, rules))
+        return NamedSharding(mesh, PartitionSpec())
+
+    return jax.tree.map(
+        leaf_sharding, boxed_abstract, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+    )
+
+
+def init_sharded(
+    init_fn: Callable[..., Any], *args: Any, mesh: Mesh, rules: LogicalRules
+) -> tuple[Any, Any]:
+    """Initialises by shape, derives shardings, then materialises in place.
+
+    Args:
+      init_fn: a pure function of `args` returning a tree of arrays, those with logical
+        axis names boxed (`box`).
+      args: its arguments (an RNG key, ...), replicated.
+
+    Returns:
+      (tree, shardings): the unboxed tree laid out on `mesh`, and its shardings.
+    """
+    boxed_abstract = jax.eval_shape(init_fn, *args)
+    shardings = logical_shardings(boxed_abstract, mesh, rules)
+    tree = jax.jit(lambda *a: unbox(init_fn(*a)), out_shardings=shardings)(*args)
+    return tree, shardings
+
+
+def box(tree: Any, logical_axes: Any) -> Any:
+    """`tree` with each leaf boxed in `nn.Partitioned` with its logical axis names.
+
+    Args:
+      logical_axes: a tree of PartitionSpecs of logical names shaped like `tree` (None: no
+        names, the leaf stays bare), e.g. `model.logical_axes(batch)`.
+    """
+
+    def box_leaf(names, leaf):
+        if names is None:
+            return leaf
+        names = tuple(names) + (None,) * (leaf.ndim - len(names))
+        return nn.Partitioned(leaf, names=names)
+
+    return jax.tree.map(
+        box_leaf, logical_axes, tree,
+        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+    )
+
+
+def unbox(tree: Any) -> Any:
+    """Strips `nn.Partitioned` boxes, without sharding constraints (placement is the job of
+    the jit boundaries; box names are logical, not mesh axes)."""
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, nn.Partitioned) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, nn.Partitioned),
+    )
+
+
+def abstract_like(abstract: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs carrying target shardings (what a checkpoint restores onto)."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        unbox(abstract),
+        shardings,
+    )
+
+
+def batch_sharding(mesh: Mesh, rules: LogicalRules) -> NamedSharding:
+    """The sharding of a [batch, length] array: batch by the "batch" rule, length whole."""
+    return NamedSharding(mesh, nn.logical_to_mesh_axes((BATCH, None), rules))
+
+
+def check_batch_size(batch_size: int, sharding: NamedSharding, where: str = "batch") -> None:
+    """A clear error when the global batch does not split evenly over its mesh axes."""
+    shards = _axis_size(sharding.mesh, sharding.spec[0]) if len(sharding.spec) else 1
+    if batch_size % shards or batch_size % jax.process_count():
+        raise ValueError(
+            f"{where} size {batch_size} must be divisible by the {shards} batch shards "
+            f"(mesh axes {sharding.spec[0]}) and by the {jax.process_count()} processes"
+        )
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Global jax.Arrays from this process's slice of a batch of [B_local, L] numpy arrays."""
+    return {
+        name: jax.make_array_from_process_local_data(sharding, np.asarray(value))
+        for name, value in batch.items()
+    }

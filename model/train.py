@@ -1,0 +1,686 @@
+"""The training engine: one loop for the AR teacher and the PaDIR student.
+
+The model is anything with the small interface of model/models.py (`init(rng, batch)`,
+`loss_fn(params, batch, rng, *, num_stages, remask_stutter) -> (loss, metric sums)`,
+`predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
+
+Steps are pure module-level functions (`train_step`, `eval_step`) compiled once per batch
+shape with explicit shardings (`jit_*` handles; the state is donated). The per-step RNG is
+`fold_in(state.rng, state.step)`, and checkpoints carry the state, the RNG and the data
+position, so a resumed run continues bit for bit where the interrupted one stopped.
+
+Data contract: `batches(start_position)` returns an iterator of `(position_after, batch)`,
+where `batch` is this process's slice of a global batch, a dict of numpy arrays
+`{"source": int32[B, S], "target": int32[B, T]}` (B = batch_size / process_count), and
+`position_after` resumes the stream right after that batch. Dev batches follow the same
+layout; a row whose source is all PAD is padding (it fills the last batch to a static
+shape) and has no reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from components.config import (
+    MeshConfig,
+    OptimizerConfig,
+    StudentConfig,
+    TeacherConfig,
+    TrainLoopConfig,
+)
+from components.tokenizer import EOS_ID, PAD_ID
+from model import checkpoints, sharding
+
+log = logging.getLogger(__name__)
+
+Batch = Mapping[str, np.ndarray]
+BatchSource = Callable[[int], Iterator[tuple[int, Batch]]]
+# Metrics a train step reports per step (averaged over steps); all others are sums.
+STEP_MEANS = ("grad_norm", "objective")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+# --- state and optimizer -------------------------------------------------------------------
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes. `rng` is the run's base key; step keys fold in the step."""
+
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2] raw key (plain array: checkpoints as is)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to the peak over `warmup_steps`, then rsqrt or cosine decay.
+
+    The value at optax count c is the rate of update c + 1, so the first update is not 0.
+    """
+    warmup = max(cfg.warmup_steps, 1)
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        rate = cfg.learning_rate * jnp.minimum(1.0, step / warmup)
+        if cfg.decay == "rsqrt":
+            return rate * jnp.sqrt(warmup / jnp.maximum(step, warmup))
+        progress = jnp.clip((step - warmup) / max(total_steps - warmup, 1), 0.0, 1.0)
+        return rate * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+
+    return schedule
+
+
+def make_optimizer(
+    cfg: OptimizerConfig, total_steps: int
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (decay on matrices only) after global-norm clipping; and its schedule."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            weight_decay=cfg.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
+    return tx, schedule
+
+
+def init_state(rng: jax.Array, batch: Batch, *, model: Any, tx: optax.GradientTransformation):
+    """A fresh TrainState whose params, and the optimizer moments that mirror them, are boxed
+    with the model's logical axis names (`sharding.init_sharded` lays them out and unboxes)."""
+    init_rng, train_rng = jax.random.split(rng)
+    params = sharding.box(model.init(init_rng, batch), model.logical_axes(batch))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=train_rng
+    )
+
+
+def example_batch(model: Any) -> dict[str, jax.Array]:
+    """A one-row batch of the model's maximal shapes (init only reads shapes)."""
+    cfg = model.config
+    return {
+        "source": jnp.zeros((1, cfg.max_source_len), jnp.int32),
+        "target": jnp.zeros((1, cfg.max_target_len), jnp.int32),
+    }
+
+
+# --- steps ---------------------------------------------------------------------------------
+
+
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    model: Any,
+    tx: optax.GradientTransformation,
+    num_stages: int,
+    remask_stutter: bool,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update. Returns the new state and the step's metric sums (plus the
+    loss it optimised, `objective`, and the gradient norm before clipping)."""
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_fn(params):
+        return model.loss_fn(
+            params, batch, rng, num_stages=num_stages, remask_stutter=remask_stutter
+        )
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics, objective=loss, grad_norm=optax.tree.norm(grads))
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+def eval_step(
+    params: Any,
+    batch: Batch,
+    rng: jax.Array,
+    *,
+    model: Any,
+    num_stages: int,
+    remask_stutter: bool,
+) -> dict[str, jax.Array]:
+    """Metric sums of one dev batch: no dropout, and a fixed `rng` for the noise, so that
+    evaluations are comparable."""
+    _, metrics = model.loss_fn(
+        params, batch, rng, num_stages=num_stages, remask_stutter=remask_stutter,
+        deterministic=True,
+    )
+    return metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSteps:
+    """The jitted steps of one run, with explicit shardings."""
+
+    train: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    eval: Callable[[Any, Any, jax.Array], dict]
+    predict: Callable[[Any, Any], jax.Array]
+
+
+def compile_steps(
+    model: Any,
+    tx: optax.GradientTransformation,
+    state_shardings: TrainState,
+    batch_sharding: NamedSharding,
+    *,
+    num_stages: int,
+    remask_stutter: bool,
+) -> CompiledSteps:
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    loss_options = dict(num_stages=num_stages, remask_stutter=remask_stutter)
+    jit_train_step = jax.jit(
+        functools.partial(train_step, model=model, tx=tx, **loss_options),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=0,
+    )
+    jit_eval_step = jax.jit(
+        functools.partial(eval_step, model=model, **loss_options),
+        in_shardings=(state_shardings.params, batch_sharding, replicated),
+        out_shardings=replicated,
+    )
+    jit_predict = jax.jit(
+        model.predict_batch,
+        in_shardings=(state_shardings.params, batch_sharding),
+        out_shardings=batch_sharding,
+    )
+    return CompiledSteps(train=jit_train_step, eval=jit_eval_step, predict=jit_predict)
+
+
+# --- metrics and cadence -------------------------------------------------------------------
+
+
+def every(step: int, n: int, last_step: int) -> bool:
+    """True every `n` steps and always at `last_step`."""
+    return step == last_step or step % n == 0
+
+
+def _is_count(name: str) -> bool:
+    return name in ("tokens", "examples") or name.startswith("weights")
+
+
+def _denominator(name: str, sums: Mapping[str, float]) -> str:
+    if name.startswith("length_"):
+        return "examples"
+    stage = name[name.index("_stage"):] if "_stage" in name else ""
+    return f"weights{stage}" if f"weights{stage}" in sums else "tokens"
+
+
+def summarize(sums: Mapping[str, float], steps: int = 1) -> dict[str, float]:
+    """Means from metric sums (model/losses.py's convention): `length_*` per example,
+    `x_stage{k}` per `weights_stage{k}`, others per `weights` (else per token); per-step
+    values (`STEP_MEANS`) per step; counts stay counts."""
+    out = {}
+    for name, value in sums.items():
+        if _is_count(name):
+            out[name] = value
+        elif name in STEP_MEANS:
+            out[name] = value / max(steps, 1)
+        else:
+            out[name] = value / max(sums.get(_denominator(name, sums), 1.0), 1.0)
+    return out
+
+
+class _Accumulator:
+    """Host-side sums of step metrics; fetches each step's metrics one step late, so the
+    host never waits for the step it just dispatched, yet a NaN is reported with its step."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+        self._pending: Optional[tuple[int, dict]] = None
+
+    def push(self, step: int, metrics: dict) -> None:
+        self.flush()
+        self._pending = (step, metrics)
+
+    def flush(self) -> None:
+        if self._pending is None:
+            return
+        step, metrics = self._pending
+        self._pending = None
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(values["objective"]):
+            raise NonFiniteLossError(f"training loss is {values['objective']} at step {step}")
+        for name, value in values.items():
+            self.sums[name] = self.sums.get(name, 0.0) + value
+        self.steps += 1
+
+    def take(self) -> tuple[dict[str, float], int]:
+        """The means since the last take, and over how many steps."""
+        self.flush()
+        out, steps = summarize(self.sums, self.steps), self.steps
+        self.sums, self.steps = {}, 0
+        return out, steps
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def evaluate(
+    steps: CompiledSteps,
+    params: Any,
+    dev_batches: Sequence[Batch],
+    *,
+    rng: jax.Array,
+    batch_sharding: NamedSharding,
+    detokenize: Optional[Callable[[Sequence[int]], str]] = None,
+    references: Optional[Sequence[str]] = None,
+) -> dict[str, float]:
+    """Dev loss and token accuracy (per token), and SacreBLEU of `predict_batch` output.
+
+    Args:
+      detokenize: ids of one hypothesis, cut before its first EOS -> text.
+      references: raw reference texts, one per non-padding dev row, in order.
+    """
+    sums: dict[str, float] = {}
+    hypotheses: list[str] = []
+    for batch in dev_batches:
+        device_batch = sharding.shard_batch(batch, batch_sharding)
+        for name, value in jax.device_get(steps.eval(params, device_batch, rng)).items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+        if references is not None:
+            predicted = _to_host(steps.predict(params, device_batch))
+            source = _to_host(device_batch["source"])
+            for row, ids in zip(source, predicted):
+                if np.all(row == PAD_ID):
+                    continue
+                ids = ids.tolist()
+                hypotheses.append(detokenize(ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids))
+    metrics = summarize(sums)
+    if references is not None:
+        import sacrebleu  # light, but only the evaluating loop needs it
+
+        if len(hypotheses) != len(references):
+            raise ValueError(
+                f"dev set: {len(hypotheses)} non-padding rows but {len(references)} references"
+            )
+        metrics["bleu"] = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
+    return metrics
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    state: TrainState
+    position: int  # data position after the last step taken
+    completed: bool  # reached num_steps (else stopped by SIGTERM or the time budget)
+    stop_reason: Optional[str]
+    dev_metrics: Optional[dict[str, float]]  # of the last evaluation, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's state and batches live: the mesh, its rules, and the shardings."""
+
+    mesh: Mesh
+    rules: sharding.LogicalRules
+    batch_sharding: NamedSharding
+    state_shardings: TrainState  # of NamedShardings
+    abstract_state: TrainState  # of ShapeDtypeStructs carrying those shardings
+    init_fn: Callable[[jax.Array], TrainState]  # rng -> TrainState, boxed
+
+    def create_state(self, seed: int) -> TrainState:
+        """A fresh state, initialised in place (`sharding.init_sharded`)."""
+        state, _ = sharding.init_sharded(
+            self.init_fn, jax.random.PRNGKey(seed), mesh=self.mesh, rules=self.rules
+        )
+        return state
+
+
+def place(
+    model: Any,
+    tx: optax.GradientTransformation,
+    mesh: MeshConfig,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> Placement:
+    """The mesh from `mesh` over `devices` (default: all), and the state's layout on it,
+    derived by shape only."""
+    device_mesh = sharding.make_mesh(mesh, devices)
+    rules = sharding.flax_rules(mesh)
+    init = functools.partial(init_state, batch=example_batch(model), model=model, tx=tx)
+    # No mesh context (`jax.set_mesh`): placement is explicit at the jit boundaries, and a
+    # global mesh would make Linen apply the boxes' logical names as constraints inside
+    # init, where DenseGeneral unboxes a kernel flattened to another rank than its names.
+    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    state_shardings = sharding.logical_shardings(boxed, device_mesh, rules)
+    return Placement(
+        mesh=device_mesh,
+        rules=rules,
+        batch_sharding=sharding.batch_sharding(device_mesh, rules),
+        state_shardings=state_shardings,
+        abstract_state=sharding.abstract_like(boxed, state_shardings),
+        init_fn=init,
+    )
+
+
+def train(
+    model: Any,
+    batches: BatchSource,
+    dev_batches: Optional[Sequence[Batch]],
+    *,
+    num_steps: int,
+    optimizer: OptimizerConfig,
+    loop: TrainLoopConfig,
+    mesh: MeshConfig,
+    checkpoint_dir: str,
+    seed: int,
+    num_stages: int = 1,
+    remask_stutter: bool = False,
+    init_checkpoint: Optional[str] = None,
+    log_dir: Optional[str] = None,
+    detokenize: Optional[Callable[[Sequence[int]], str]] = None,
+    references: Optional[Sequence[str]] = None,
+    deadline: Optional[float] = None,
+    devices: Optional[Sequence[jax.Device]] = None,
+) -> TrainResult:
+    """Trains `model` to `num_steps` optimizer steps, resuming from `checkpoint_dir`.
+
+    Restore order (model/checkpoints.py): this run's own checkpoints, else the latest step of
+    `init_checkpoint` (params and data position), else scratch from `seed`. Every
+    `loop.eval_every` steps (and at the last) the dev set is evaluated and checkpointed with
+    its metrics; every `loop.checkpoint_every` steps (and at the last) a checkpoint is saved.
+    SIGTERM, or passing `deadline` (a `time.monotonic()` value), checkpoints the current step
+    and returns early. Only process 0 logs to TensorBoard (`log_dir`) and shows progress.
+
+    Args:
+      dev_batches: dev batches (a re-iterable); None: no evaluation.
+      detokenize, references: for dev BLEU (see `evaluate`); required if
+        `loop.best_metric` is "bleu" and there are dev batches.
+      devices: the devices of the mesh (default: all).
+
+    Raises:
+      NonFiniteLossError: the loss became NaN or infinite (the message names the step).
+      checkpoints.CheckpointError: the run has checkpoints but none is readable.
+    """
+    sharding.initialize_distributed(mesh)
+    if dev_batches is not None and loop.best_metric == "bleu" and references is None:
+        raise ValueError("loop.best_metric is 'bleu': give references and detokenize for dev BLEU")
+    if (references is None) != (detokenize is None):
+        raise ValueError("give both references and detokenize, or neither")
+    tx, schedule = make_optimizer(optimizer, num_steps)
+    placement = place(model, tx, mesh, devices)
+    sharding.check_batch_size(loop.batch_size, placement.batch_sharding, "loop.batch_size")
+    for i, batch in enumerate(dev_batches or ()):
+        local_rows = len(batch["source"])
+        sharding.check_batch_size(
+            local_rows * jax.process_count(), placement.batch_sharding, f"dev batch {i}"
+        )
+    manager = checkpoints.open_manager(
+        checkpoint_dir,
+        keep=loop.keep_checkpoints,
+        best_metric=loop.best_metric if dev_batches is not None else None,
+    )
+    # SIGTERM from here on is deferred to the next step boundary (even during compilation).
+    with checkpoints.StopSignal() as stop_signal:
+        try:
+            state, position = _restore_or_init(manager, placement, init_checkpoint, seed)
+            steps = compile_steps(
+                model, tx, placement.state_shardings, placement.batch_sharding,
+                num_stages=num_stages, remask_stutter=remask_stutter,
+            )
+            return _run(
+                steps, state, position, manager, stop_signal,
+                batches=batches, dev_batches=dev_batches, num_steps=num_steps, loop=loop,
+                schedule=schedule, batch_sharding=placement.batch_sharding,
+                is_main=jax.process_index() == 0, log_dir=log_dir, detokenize=detokenize,
+                references=references, deadline=deadline,
+            )
+        finally:
+            manager.wait_until_finished()
+            manager.close()
+
+
+def _restore_or_init(
+    manager, placement: Placement, init_checkpoint: Optional[str], seed: int
+) -> tuple[TrainState, int]:
+    """The restore order of model/checkpoints.py: own checkpoints, init checkpoint, scratch."""
+    restored = checkpoints.restore_latest(manager, placement.abstract_state)
+    if restored is not None:
+        log.info("resuming from step %d of %s", restored.step, manager.directory)
+        return restored.state, restored.position
+    state = placement.create_state(seed)
+    if init_checkpoint is None:
+        log.info("training from scratch")
+        return state, 0
+    params, position, step = checkpoints.restore_params(
+        init_checkpoint, placement.abstract_state.params
+    )
+    log.info("initialised from step %d of %s (data position %d)", step, init_checkpoint, position)
+    return state.replace(params=params), position
+
+
+def _run(
+    steps: CompiledSteps,
+    state: TrainState,
+    position: int,
+    manager,
+    stop_signal: checkpoints.StopSignal,
+    *,
+    batches: BatchSource,
+    dev_batches,
+    num_steps: int,
+    loop: TrainLoopConfig,
+    schedule,
+    batch_sharding: NamedSharding,
+    is_main: bool,
+    log_dir: Optional[str],
+    detokenize,
+    references,
+    deadline: Optional[float],
+) -> TrainResult:
+    step = last_saved = int(state.step)
+    dev_metrics = stop_reason = None
+    if step >= num_steps:
+        log.info("already trained: step %d of %d", step, num_steps)
+        return TrainResult(state, position, True, None, None)
+    writer = _summary_writer(log_dir) if is_main else None
+    progress = _progress_bar(step, num_steps, disable=not is_main)
+    eval_rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)  # no train step's key
+    accumulator = _Accumulator()
+    stream = batches(position)
+    interval_start, interval_tokens = time.monotonic(), 0
+    try:
+        while step < num_steps:
+            try:
+                next_position, batch = next(stream)
+            except StopIteration:
+                raise RuntimeError(f"the data source ended at position {position}") from None
+            state, metrics = steps.train(state, sharding.shard_batch(batch, batch_sharding))
+            step, position = step + 1, next_position
+            accumulator.push(step, metrics)
+            interval_tokens += int(np.count_nonzero(batch["target"])) * jax.process_count()
+            progress.update(1)
+
+            logged = every(step, loop.log_every, num_steps)
+            if logged:
+                elapsed = time.monotonic() - interval_start
+                summary, n_steps = accumulator.take()
+                summary["learning_rate"] = float(schedule(step - 1))
+                summary["steps_per_s"] = n_steps / elapsed
+                summary["target_tokens_per_s"] = interval_tokens / elapsed
+                _write(writer, "train", summary, step)
+                progress.set_postfix(
+                    loss=f"{summary.get('loss', summary['objective']):.3f}",
+                    tok_s=f"{summary['target_tokens_per_s']:.0f}",
+                )
+                interval_start, interval_tokens = time.monotonic(), 0
+
+            evaluated = dev_batches is not None and every(step, loop.eval_every, num_steps)
+            if evaluated:
+                accumulator.flush()  # never evaluate or save a state that went NaN
+                started = time.monotonic()
+                dev_metrics = evaluate(
+                    steps, state.params, dev_batches, rng=eval_rng,
+                    batch_sharding=batch_sharding, detokenize=detokenize,
+                    references=references,
+                )
+                interval_start += time.monotonic() - started  # not training throughput
+                _write(writer, "dev", dev_metrics, step)
+                if is_main:
+                    log.info("step %d dev %s", step, _format(dev_metrics))
+
+            stop = stop_signal.received is not None or (
+                deadline is not None and time.monotonic() > deadline
+            )
+            if jax.process_count() > 1:
+                # Processes must stop at the same step; agreeing costs a host round trip,
+                # so they agree at the log cadence only.
+                stop = logged and checkpoints.any_process(stop)
+            if evaluated or stop or every(step, loop.checkpoint_every, num_steps):
+                accumulator.flush()
+                checkpoints.save(
+                    manager, state, position=position,
+                    metrics=_checkpoint_metrics(dev_metrics) if evaluated else None,
+                )
+                last_saved = step
+            if stop:
+                stop_reason = "SIGTERM" if stop_signal.received is not None else "time budget"
+                log.warning("stopping at step %d of %d (%s); checkpoint saved",
+                            step, num_steps, stop_reason)
+                break
+        accumulator.flush()
+    finally:
+        progress.close()
+        if writer is not None:
+            writer.close()
+    assert last_saved == step, (last_saved, step)
+    return TrainResult(state, position, step >= num_steps, stop_reason, dev_metrics)
+
+
+def _checkpoint_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items() if k in ("loss", "accuracy", "bleu")}
+
+
+def _format(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+
+
+def _summary_writer(log_dir: Optional[str]):
+    """TensorBoard event files via tensorboardX: no TensorFlow import in the training loop
+    (flax.metrics.tensorboard needs TF, heavy and a second claimant of accelerators)."""
+    if log_dir is None:
+        return None
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(log_dir)
+
+
+def _write(writer, prefix: str, metrics: Mapping[str, float], step: int) -> None:
+    if writer is None:
+        return
+    for name, value in metrics.items():
+        writer.add_scalar(f"{prefix}/{name}", value, step)
+    writer.flush()
+
+
+def _progress_bar(step: int, total: int, disable: bool):
+    from tqdm.auto import tqdm
+
+    # tqdm shows steps/s and the ETA; tokens/s goes in the postfix at each log step.
+    return tqdm(total=total, initial=step, unit="step", disable=disable, dynamic_ncols=True)
+
+
+# --- the two stages that train -------------------------------------------------------------
+
+
+def _deadline(loop: TrainLoopConfig) -> Optional[float]:
+    return None if loop.max_minutes is None else time.monotonic() + 60.0 * loop.max_minutes
+
+
+def train_teacher(
+    model: Any,
+    batches: BatchSource,
+    dev_batches: Optional[Sequence[Batch]],
+    cfg: TeacherConfig,
+    mesh: MeshConfig,
+    *,
+    checkpoint_dir: str,
+    seed: int,
+    log_dir: Optional[str] = None,
+    detokenize=None,
+    references=None,
+) -> TrainResult:
+    """The AR teacher: one run of `cfg.steps` single-stage steps.
+
+    Label smoothing (`cfg.label_smoothing`) is part of the teacher's loss: the caller builds
+    `model` with it; the engine only optimises what `model.loss_fn` returns.
+    """
+    return train(
+        model, batches, dev_batches,
+        num_steps=cfg.steps, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
+        checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
+        detokenize=detokenize, references=references, deadline=_deadline(cfg.loop),
+    )
+
+
+def train_student(
+    model: Any,
+    batches: BatchSource,
+    dev_batches: Optional[Sequence[Batch]],
+    cfg: StudentConfig,
+    mesh: MeshConfig,
+    *,
+    checkpoint_dir: str,
+    seed: int,
+    log_dir: Optional[str] = None,
+    detokenize=None,
+    references=None,
+) -> TrainResult:
+    """The PaDIR student: phase 1 (single-stage loss), then phase 2 (`cfg.num_stages`
+    unrolled stages) initialised from phase 1's last step, in `<checkpoint_dir>/phase{1,2}`.
+
+    Each phase resumes on its own; a finished phase 1 is not retrained. Phase 2 has its own
+    seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
+    budgets both phases together. As for the teacher, the caller builds `model` with
+    `cfg.label_smoothing`.
+    """
+    deadline = _deadline(cfg.loop)
+    common = dict(
+        optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh, detokenize=detokenize,
+        references=references, deadline=deadline,
+    )
+    phase1_dir = f"{checkpoint_dir.rstrip('/')}/phase1"
+    result = train(
+        model, batches, dev_batches, num_steps=cfg.phase1_steps, checkpoint_dir=phase1_dir,
+        seed=seed, num_stages=1, log_dir=log_dir and f"{log_dir}/phase1", **common,
+    )
+    if not result.completed or cfg.phase2_steps == 0:
+        return result
+    return train(
+        model, batches, dev_batches, num_steps=cfg.phase2_steps,
+        checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2", seed=seed + 1,
+        num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
+        init_checkpoint=phase1_dir, log_dir=log_dir and f"{log_dir}/phase2", **common,
+    )

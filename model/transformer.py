@@ -1,0 +1,408 @@
+"""The Transformer family (Flax Linen): encoder, PaDIR (non-autoregressive) decoder, AR decoder.
+
+Both models are pre-norm encoder-decoders with RMSNorm, learned absolute position tables,
+one token embedding shared by encoder, decoder and the tied output projection, and no
+biases in attention or MLP (T5 style).
+
+* `PaDIRTransformer` (the student): a [LENGTH] token is prepended to the source inside the
+  model; its encoder output feeds a length classifier with `max_target_len` classes
+  (predicted length = class + 1, counting EOS) and it is hidden from cross-attention. The
+  decoder attends bidirectionally over the current hypothesis and position i predicts
+  target token i (no right shift). With `ModelConfig.positional_attention`, every decoder
+  layer also has positional attention: queries and keys are the (RMS-normalised) learned
+  position vectors, values the token stream, so position survives an all-[MASK] input.
+* `ARTransformer` (the teacher): causal decoder over the target shifted right behind BOS;
+  `decode=True` processes one token per call with a KV cache in the `cache` collection.
+
+Shapes: B batch, S source length, T target length, D d_model, V vocab_size.
+
+Logical axis names on parameters (a trainer maps them to mesh axes, e.g. (data, fsdp), with
+a rule table; names without a rule are replicated):
+  vocab   rows of the shared token embedding (input and tied output)
+  embed   model width D (every kernel, norm scale and position table has it)
+  mlp     MLP hidden width
+  heads   attention heads
+  kv      width per head
+  length  rows of the position tables; also the length classes of the length classifier
+Activations are not annotated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from components.config import ModelConfig
+from components.tokenizer import BOS_ID, LENGTH_ID, MASK_ID, PAD_ID
+
+# Ids that never occur as a (weighted) target. Decoding never emits them: a PAD inside the
+# hypothesis would be read as padding by the next pass, and control ids are inputs only.
+NON_TARGET_IDS = (PAD_ID, BOS_ID, MASK_ID, LENGTH_ID)
+# Finite, so that masked logits stay NaN-free through softmax and sums.
+LOGIT_MASK_VALUE = -1e9
+
+_default_kernel_init = nn.initializers.lecun_normal()
+
+
+def _named(init_fn: Callable, names: tuple[str, ...]) -> Callable:
+    return nn.with_logical_partitioning(init_fn, names)
+
+
+def shift_right(targets: jax.Array, start_id: int = BOS_ID) -> jax.Array:
+    """The AR decoder input: `start_id` then targets[:, :-1]. int32[B, T] -> int32[B, T]."""
+    start = jnp.full_like(targets[:, :1], start_id)
+    return jnp.concatenate([start, targets[:, :-1]], axis=1)
+
+
+def mask_non_target_ids(logits: jax.Array) -> jax.Array:
+    """Sets the logits of `NON_TARGET_IDS` to a large negative value. [..., V] -> [..., V]."""
+    banned = jnp.zeros(logits.shape[-1], bool).at[jnp.array(NON_TARGET_IDS)].set(True)
+    return jnp.where(banned, jnp.asarray(LOGIT_MASK_VALUE, logits.dtype), logits)
+
+
+def argmax_ids(logits: jax.Array) -> jax.Array:
+    """The most likely id among those a target can hold. float[..., V] -> int32[...]."""
+    return jnp.argmax(mask_non_target_ids(logits), axis=-1).astype(jnp.int32)
+
+
+def _rms_norm(config: ModelConfig, name: str) -> nn.RMSNorm:
+    return nn.RMSNorm(
+        dtype=config.dtype, scale_init=_named(nn.initializers.ones, ("embed",)), name=name
+    )
+
+
+def _attention(config: ModelConfig, name: str, decode: bool = False) -> nn.Module:
+    # Dropout is applied to residual branches only; attention weights stay un-dropped.
+    return nn.MultiHeadDotProductAttention(
+        num_heads=config.num_heads,
+        qkv_features=config.d_model,
+        out_features=config.d_model,
+        dtype=config.dtype,
+        use_bias=False,
+        kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")),
+        out_kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")),
+        decode=decode,
+        name=name,
+    )
+
+
+def _position_table(module: nn.Module, rows: int, d_model: int) -> jax.Array:
+    """A learned position table float32[rows, D] owned by `module`."""
+    return module.param(
+        "pos_embedding",
+        _named(nn.initializers.normal(stddev=1.0), ("length", "embed")),
+        (rows, d_model),
+    )
+
+
+class MlpBlock(nn.Module):
+    """Position-wise feed-forward block: Dense(mlp) -> GELU -> dropout -> Dense(embed)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        h = nn.Dense(
+            cfg.mlp_dim, use_bias=False, dtype=cfg.dtype, name="wi",
+            kernel_init=_named(_default_kernel_init, ("embed", "mlp")),
+        )(x)  # [B, L, mlp]
+        h = nn.gelu(h)
+        h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        return nn.Dense(
+            cfg.d_model, use_bias=False, dtype=cfg.dtype, name="wo",
+            kernel_init=_named(_default_kernel_init, ("mlp", "embed")),
+        )(h)  # [B, L, D]
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm self-attention + MLP."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
+        """x: [B, S, D]; mask: bool[B, 1, S, S]. Returns [B, S, D]."""
+        dropout = nn.Dropout(self.config.dropout_rate)
+        h = _rms_norm(self.config, "pre_self_attention_norm")(x)
+        h = _attention(self.config, "self_attention")(h, h, mask=mask)
+        x = x + dropout(h, deterministic=deterministic)
+        h = _rms_norm(self.config, "pre_mlp_norm")(x)
+        h = MlpBlock(self.config, name="mlp")(h, deterministic)
+        return x + dropout(h, deterministic=deterministic)
+
+
+class Encoder(nn.Module):
+    """Token + position embedding, `num_encoder_layers` layers, final RMSNorm."""
+
+    config: ModelConfig
+    shared_embedding: nn.Module
+    num_positions: int  # max_source_len, plus one for PaDIR's [LENGTH] token
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, deterministic: bool) -> jax.Array:
+        """tokens: int32[B, S] (0 = pad). Returns the encoded source [B, S, D]."""
+        cfg = self.config
+        length = tokens.shape[1]
+        if length > self.num_positions:
+            raise ValueError(f"source length {length} > {self.num_positions} positions "
+                             f"(model.max_source_len {cfg.max_source_len})")
+        valid = tokens != PAD_ID  # [B, S]
+        positions = _position_table(self, self.num_positions, cfg.d_model)[:length]
+        x = self.shared_embedding(tokens) + positions.astype(cfg.dtype)  # [B, S, D]
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        mask = nn.make_attention_mask(valid, valid)  # [B, 1, S, S]
+        for i in range(cfg.num_encoder_layers):
+            x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic)
+        return _rms_norm(cfg, "final_norm")(x)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm self-attention, [positional attention], cross-attention, MLP.
+
+    Attributes:
+      config: the model config.
+      positional_attention: add the positional-attention sublayer (PaDIR only).
+      decode: cache keys/values of self-attention and take one token per call (AR only).
+    """
+
+    config: ModelConfig
+    positional_attention: bool = False
+    decode: bool = False
+
+    @nn.compact
+    def __call__(
+        self,
+        x: jax.Array,
+        encoded: jax.Array,
+        self_mask: jax.Array | None,
+        cross_mask: jax.Array,
+        positions: jax.Array | None,
+        deterministic: bool,
+    ) -> jax.Array:
+        """x: [B, T, D]; encoded: [B, S, D]; self_mask: bool[B, 1, T, T] or None (cached
+        decoding masks itself); cross_mask: bool[B, 1, T, S]; positions: [B, T, D] (used
+        only with positional attention). Returns [B, T, D]."""
+        cfg = self.config
+        dropout = nn.Dropout(cfg.dropout_rate)
+        h = _rms_norm(cfg, "pre_self_attention_norm")(x)
+        h = _attention(cfg, "self_attention", decode=self.decode)(h, h, mask=self_mask)
+        x = x + dropout(h, deterministic=deterministic)
+        if self.positional_attention:
+            # Where to read from is decided by position alone; what is read is the tokens.
+            q = _rms_norm(cfg, "positional_query_norm")(positions)
+            h = _rms_norm(cfg, "pre_positional_attention_norm")(x)
+            h = _attention(cfg, "positional_attention")(q, q, h, mask=self_mask)
+            x = x + dropout(h, deterministic=deterministic)
+        h = _rms_norm(cfg, "pre_cross_attention_norm")(x)
+        h = _attention(cfg, "cross_attention")(h, encoded, mask=cross_mask)
+        x = x + dropout(h, deterministic=deterministic)
+        h = _rms_norm(cfg, "pre_mlp_norm")(x)
+        h = MlpBlock(cfg, name="mlp")(h, deterministic)
+        return x + dropout(h, deterministic=deterministic)
+
+
+def _output_logits(config: ModelConfig, embedding: nn.Embed, y: jax.Array) -> jax.Array:
+    # Tied projection; scaled by D^-1/2 (as T5 does) so unit-variance embeddings give
+    # unit-scale logits. Logits are float32 whatever the compute dtype.
+    return (embedding.attend(y) * config.d_model**-0.5).astype(jnp.float32)
+
+
+class NARDecoder(nn.Module):
+    """The PaDIR decoder: bidirectional over the hypothesis, position i predicts target i."""
+
+    config: ModelConfig
+    shared_embedding: nn.Embed
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: jax.Array,
+        memory_mask: jax.Array,
+        hypothesis: jax.Array,
+        deterministic: bool,
+    ) -> jax.Array:
+        """encoded: [B, S, D]; memory_mask: bool[B, S]; hypothesis: int32[B, T] (0 = pad).
+
+        Returns logits float32[B, T, V] for the target at every position.
+        """
+        cfg = self.config
+        batch, length = hypothesis.shape
+        if length > cfg.max_target_len:
+            raise ValueError(f"target length {length} > max_target_len {cfg.max_target_len}")
+        valid = hypothesis != PAD_ID  # [B, T]
+        table = _position_table(self, cfg.max_target_len, cfg.d_model)[:length]
+        positions = jnp.broadcast_to(table.astype(cfg.dtype), (batch, length, cfg.d_model))
+        x = self.shared_embedding(hypothesis) + positions  # [B, T, D]
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        self_mask = nn.make_attention_mask(valid, valid)  # [B, 1, T, T]
+        cross_mask = nn.make_attention_mask(valid, memory_mask)  # [B, 1, T, S]
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(
+                cfg, positional_attention=cfg.positional_attention, name=f"layer_{i}"
+            )(x, encoded, self_mask, cross_mask, positions, deterministic)
+        y = _rms_norm(cfg, "final_norm")(x)
+        return _output_logits(cfg, self.shared_embedding, y)  # [B, T, V]
+
+
+class ARDecoder(nn.Module):
+    """The causal decoder of the AR teacher, with an optional KV cache."""
+
+    config: ModelConfig
+    shared_embedding: nn.Embed
+
+    @nn.compact
+    def __call__(
+        self,
+        encoded: jax.Array,
+        memory_mask: jax.Array,
+        inputs: jax.Array,
+        target_mask: jax.Array | None,
+        deterministic: bool,
+        decode: bool,
+    ) -> jax.Array:
+        """encoded: [B, S, D]; memory_mask: bool[B, S]; inputs: int32[B, T] right-shifted
+        targets (T = 1 per call when decoding with a filled cache); target_mask: bool[B, T]
+        (None = all valid; ignored when decoding).
+
+        Returns logits float32[B, T, V].
+        """
+        cfg = self.config
+        batch, length = inputs.shape
+        if length > cfg.max_target_len:
+            raise ValueError(f"target length {length} > max_target_len {cfg.max_target_len}")
+        table = _position_table(self, cfg.max_target_len, cfg.d_model)
+        if decode:
+            # The first call (cache creation) sees the full length; later calls one token.
+            filled = self.has_variable("cache", "position")
+            position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            if filled:
+                index = position.value
+                position.value = index + 1
+                positions = jax.lax.dynamic_slice_in_dim(table, index, 1)  # [1, D]
+            else:
+                positions = table[:length]
+            self_mask = None  # the cached attention masks not-yet-written slots itself
+            cross_mask = nn.make_attention_mask(jnp.ones((batch, length), bool), memory_mask)
+        else:
+            positions = table[:length]
+            if target_mask is None:
+                target_mask = jnp.ones((batch, length), bool)
+            self_mask = nn.combine_masks(
+                nn.make_causal_mask(inputs), nn.make_attention_mask(target_mask, target_mask)
+            )  # [B, 1, T, T]
+            cross_mask = nn.make_attention_mask(target_mask, memory_mask)  # [B, 1, T, S]
+        x = self.shared_embedding(inputs) + positions.astype(cfg.dtype)  # [B, T, D]
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(cfg, decode=decode, name=f"layer_{i}")(
+                x, encoded, self_mask, cross_mask, None, deterministic
+            )
+        y = _rms_norm(cfg, "final_norm")(x)
+        return _output_logits(cfg, self.shared_embedding, y)  # [B, T, V]
+
+
+def _shared_embedding(config: ModelConfig, vocab_size: int) -> nn.Embed:
+    return nn.Embed(
+        num_embeddings=vocab_size,
+        features=config.d_model,
+        dtype=config.dtype,
+        embedding_init=_named(nn.initializers.normal(stddev=1.0), ("vocab", "embed")),
+        name="token_embedding",
+    )
+
+
+class PaDIRTransformer(nn.Module):
+    """The non-autoregressive student: encoder with [LENGTH] token, NAR decoder.
+
+    Sources have S <= max_source_len; the encoder has one more position for [LENGTH].
+    """
+
+    config: ModelConfig
+    vocab_size: int
+
+    def setup(self):
+        cfg = self.config
+        self.token_embedding = _shared_embedding(cfg, self.vocab_size)
+        self.encoder = Encoder(cfg, self.token_embedding, num_positions=cfg.max_source_len + 1)
+        self.decoder = NARDecoder(cfg, self.token_embedding)
+        self.length_classifier = nn.Dense(
+            cfg.max_target_len,
+            dtype=cfg.dtype,
+            kernel_init=_named(_default_kernel_init, ("embed", "length")),
+            bias_init=_named(nn.initializers.zeros, ("length",)),
+        )
+
+    def encode(self, source: jax.Array, deterministic: bool = True):
+        """source: int32[B, S] ids + EOS, 0-padded.
+
+        Returns:
+          encoded: [B, S + 1, D], position 0 being the [LENGTH] token.
+          memory_mask: bool[B, S + 1], the keys cross-attention may read: non-pad source
+            positions, never the [LENGTH] position.
+        """
+        length_token = jnp.full_like(source[:, :1], LENGTH_ID)
+        tokens = jnp.concatenate([length_token, source], axis=1)  # [B, S + 1]
+        encoded = self.encoder(tokens, deterministic)
+        memory_mask = (tokens != PAD_ID).at[:, 0].set(False)
+        return encoded, memory_mask
+
+    def length_logits(self, encoded: jax.Array) -> jax.Array:
+        """encoded: [B, S + 1, D] from `encode`. Returns float32[B, max_target_len];
+        class c means a target of c + 1 tokens counting EOS."""
+        return self.length_classifier(encoded[:, 0]).astype(jnp.float32)
+
+    def decode(
+        self,
+        encoded: jax.Array,
+        memory_mask: jax.Array,
+        hypothesis: jax.Array,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """One refinement pass. hypothesis: int32[B, T]. Returns logits float32[B, T, V]."""
+        return self.decoder(encoded, memory_mask, hypothesis, deterministic)
+
+    def __call__(self, source: jax.Array, hypothesis: jax.Array, deterministic: bool = True):
+        """Returns (token logits float32[B, T, V], length logits float32[B, max_target_len])."""
+        encoded, memory_mask = self.encode(source, deterministic)
+        logits = self.decode(encoded, memory_mask, hypothesis, deterministic)
+        return logits, self.length_logits(encoded)
+
+
+class ARTransformer(nn.Module):
+    """The autoregressive teacher: encoder, causal decoder."""
+
+    config: ModelConfig
+    vocab_size: int
+
+    def setup(self):
+        self.token_embedding = _shared_embedding(self.config, self.vocab_size)
+        self.encoder = Encoder(self.config, self.token_embedding, num_positions=self.config.max_source_len)
+        self.decoder = ARDecoder(self.config, self.token_embedding)
+
+    def encode(self, source: jax.Array, deterministic: bool = True):
+        """source: int32[B, S]. Returns (encoded [B, S, D], memory_mask bool[B, S])."""
+        return self.encoder(source, deterministic), source != PAD_ID
+
+    def decode(
+        self,
+        encoded: jax.Array,
+        memory_mask: jax.Array,
+        inputs: jax.Array,
+        target_mask: jax.Array | None = None,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> jax.Array:
+        """inputs: int32[B, T] right-shifted targets, or [B, 1] with `decode=True` and a
+        filled cache. Returns logits float32[B, T, V]."""
+        return self.decoder(encoded, memory_mask, inputs, target_mask, deterministic, decode)
+
+    def __call__(self, source: jax.Array, target: jax.Array, deterministic: bool = True):
+        """Teacher forcing. target: int32[B, T] ids + EOS, 0-padded. Returns [B, T, V]."""
+        encoded, memory_mask = self.encode(source, deterministic)
+        return self.decode(
+            encoded, memory_mask, shift_right(target), target != PAD_ID, deterministic
+        )

@@ -1,0 +1,279 @@
+"""The `encode` stage: prepared pairs -> token ids (+EOS) in TFRecord shards, for tf.data.
+
+Contract:
+  reads   the `prepare` artifact: `{split}-SSSSS-of-NNNNN.jsonl` for split in train, dev,
+          one `{"id", "source", "target"}` object per line; and the `vocab` artifact's
+          `spm.model`.
+  writes  `<workdir>/encode/<key>/` (layout and features: components/records.py):
+            {split}-SSSSS-of-NNNNN.tfrecord  `encode.num_shards` shards of tf.train.Examples
+                             (`id`, `source`, `target`, `source_length`, `target_length`),
+                             ids = SentencePiece pieces + EOS (1);
+            rejects/{split}-00000-of-00001.jsonl  pairs whose source or target, EOS
+                             included, is longer than `encode.max_source_len` /
+                             `max_target_len` (reason `too_many_tokens`), with their text;
+            stats/{split}.json  token length histogram, mean, p95, max per side and the
+                             number of pairs per bucket boundary;
+            manifest.json    counts `read.<split>`, `encoded.<split>`, `rejected.<split>`
+                             (read = encoded + rejected, checked) and the stats as metrics.
+
+Tokenisation is tensorflow-text's SentencePiece op, built once per worker in `DoFn.setup()`
+and applied to batches of pairs (`BatchElements`). Its ids are those of `Tokenizer.encode`
+except where two segmentations score exactly the same: tf-text's bundled SentencePiece breaks
+such ties differently from the Python package (e.g. "10,000" -> '00','0' vs '0','00'; 3 of
+the 58k Multi30k train sentences). Both decode to the same text.
+The input patterns are a parameter of `build`, so any source of pairs in the prepared
+format (e.g. distilled train pairs) is encoded the same way.
+
+Run it alone, locally (the in-process FnApiRunner of the config's `beam` section):
+
+    PADIR_DATA_ROOT=/path/to/data python -m pipelines.encode --config configs/multi30k_en_de.yaml
+
+or on Dataflow (the workdir must then be a gs:// path):
+
+    python -m pipelines.encode --config configs/multi30k_en_de.yaml \
+        --set workdir=gs://BUCKET/padir --runner DataflowRunner --project PROJECT \
+        --region REGION --temp_location gs://BUCKET/tmp \
+        --sdk_container_image IMAGE
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import sys
+from typing import Iterator, Mapping, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+
+from components import artifacts, corpus, dag, records
+from components import config as config_lib
+from components import tokenizer as tokenizer_lib
+from pipelines import options as options_lib
+
+NAMESPACE = "encode"  # of the Beam counters that become the manifest's counts
+REJECTS = "rejects"  # the tagged output of TokenizePairs
+_MAX_BATCH = 1024  # pairs per tokenizer call: large enough to amortise the op's overhead
+
+
+# --- element logic and transforms --------------------------------------------------------
+
+
+class TokenizePairs(beam.DoFn):
+    """A batch of prepared pairs -> encoded pairs, and rejects on the `rejects` output.
+
+    Encoded: `{"id", "source": [ids..., EOS], "target": [ids..., EOS]}`.
+    Rejected: `{"id", "reason", "source_length", "target_length", "source", "target"}`
+    (lengths in tokens with EOS; source and target are the text).
+    """
+
+    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, split: str, *,
+                 max_source_len: int, max_target_len: int):
+        self._model = tokenizer  # pickles as its model bytes; the TF op is built in setup()
+        self._max_source_len = max_source_len
+        self._max_target_len = max_target_len
+        self._read = Metrics.counter(NAMESPACE, f"read.{split}")
+        self._encoded = Metrics.counter(NAMESPACE, f"encoded.{split}")
+        self._rejected = {reason: Metrics.counter(NAMESPACE, f"rejected.{split}.{reason}")
+                          for reason in records.REASONS}
+        self._tokenizer = None
+
+    def setup(self):
+        self._tokenizer = self._model.tf_tokenizer()
+
+    def process(self, pairs: list[dict]) -> Iterator[dict]:
+        self._read.inc(len(pairs))
+        sources = self._tokenizer.tokenize([p["source"] for p in pairs]).to_list()
+        targets = self._tokenizer.tokenize([p["target"] for p in pairs]).to_list()
+        for pair, source_pieces, target_pieces in zip(pairs, sources, targets):
+            source, target = records.with_eos(source_pieces), records.with_eos(target_pieces)
+            reason = records.check_lengths(len(source), len(target),
+                                           max_source_len=self._max_source_len,
+                                           max_target_len=self._max_target_len)
+            if reason is None:
+                self._encoded.inc()
+                yield {"id": pair["id"], "source": source, "target": target}
+            else:
+                self._rejected[reason].inc()
+                yield beam.pvalue.TaggedOutput(REJECTS, {
+                    "id": pair["id"], "reason": reason,
+                    "source_length": len(source), "target_length": len(target),
+                    "source": pair["source"], "target": pair["target"],
+                })
+
+
+class SummarizeLengths(beam.CombineFn):
+    """Encoded pairs -> token length figures per side and pairs per bucket boundary."""
+
+    def __init__(self, boundaries: Sequence[int]):
+        self._boundaries = tuple(boundaries)
+
+    def create_accumulator(self):
+        return collections.Counter(), collections.Counter(), collections.Counter()
+
+    def add_input(self, accumulator, pair: dict):
+        sources, targets, buckets = accumulator
+        sources[len(pair["source"])] += 1
+        targets[len(pair["target"])] += 1
+        buckets[records.bucket_of(len(pair["source"]), len(pair["target"]), self._boundaries)] += 1
+        return accumulator
+
+    def merge_accumulators(self, accumulators):
+        merged = self.create_accumulator()
+        for accumulator in accumulators:
+            for total, part in zip(merged, accumulator):
+                total.update(part)
+        return merged
+
+    def extract_output(self, accumulator) -> dict:
+        sources, targets, buckets = accumulator
+        return {
+            "source_length": records.summarize_lengths(sources),
+            "target_length": records.summarize_lengths(targets),
+            "buckets": {str(b): buckets.get(b, 0) for b in self._boundaries},
+        }
+
+
+class EncodeSplit(beam.PTransform):
+    """Prepared JSON lines of one split -> TFRecord shards, rejects and stats under `output_uri`."""
+
+    def __init__(self, split: str, input_pattern: str, tokenizer: tokenizer_lib.Tokenizer,
+                 config: config_lib.EncodeConfig, output_uri: str):
+        super().__init__()
+        self.split = split
+        self.input_pattern = input_pattern
+        self.tokenizer = tokenizer
+        self.config = config
+        self.output_uri = output_uri
+
+    def expand(self, pbegin):
+        outputs = (
+            pbegin
+            | "Read" >> beam.io.ReadFromText(self.input_pattern)
+            | "ParseJson" >> beam.Map(json.loads)
+            | "Batch" >> beam.BatchElements(min_batch_size=16, max_batch_size=_MAX_BATCH)
+            | "Tokenize" >> beam.ParDo(TokenizePairs(
+                self.tokenizer, self.split, max_source_len=self.config.max_source_len,
+                max_target_len=self.config.max_target_len)).with_outputs(REJECTS, main="encoded")
+        )
+        _ = (
+            outputs.encoded
+            | "Serialize" >> beam.Map(
+                lambda pair: records.serialize_example(pair["id"], pair["source"], pair["target"]))
+            | "WriteRecords" >> beam.io.WriteToTFRecord(
+                records.shard_prefix(self.output_uri, self.split),
+                file_name_suffix=records.SUFFIX, num_shards=self.config.num_shards)
+        )
+        _ = (
+            outputs[REJECTS]
+            | "FormatRejects" >> beam.Map(json.dumps, ensure_ascii=False, sort_keys=True)
+            | "WriteRejects" >> beam.io.WriteToText(
+                artifacts.join(self.output_uri, "rejects", self.split),
+                file_name_suffix=".jsonl", num_shards=1)
+        )
+        _ = (
+            outputs.encoded
+            | "Summarize" >> beam.CombineGlobally(SummarizeLengths(self.config.bucket_boundaries))
+            | "FormatStats" >> beam.Map(json.dumps, sort_keys=True)
+            | "WriteStats" >> beam.io.WriteToText(
+                records.stats_path(self.output_uri, self.split), num_shards=1,
+                shard_name_template="")
+        )
+        return outputs
+
+
+def build(pipeline: beam.Pipeline, config: config_lib.Config, *, inputs: Mapping[str, str],
+          tokenizer: tokenizer_lib.Tokenizer, output_uri: str) -> None:
+    """Adds one `EncodeSplit` per entry of `inputs` (split name -> glob of prepared JSON lines)."""
+    for split, pattern in inputs.items():
+        _ = pipeline | f"Encode[{split}]" >> EncodeSplit(
+            split, pattern, tokenizer, config.encode, output_uri)
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def collect_counts(result, splits: Sequence[str]) -> dict[str, int]:
+    """`read.<split>`, `encoded.<split>`, `rejected.<split>` (all reasons) and
+    `rejected.<split>.<reason>` from the job's counters (zero where nothing was counted)."""
+    counts = {}
+    for split in splits:
+        counts.update({f"read.{split}": 0, f"encoded.{split}": 0, f"rejected.{split}": 0})
+        counts.update({f"rejected.{split}.{reason}": 0 for reason in records.REASONS})
+    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+    for counter in found["counters"]:
+        name = counter.key.metric.name
+        value = counter.committed if counter.committed is not None else counter.attempted
+        counts[name] = counts.get(name, 0) + value
+    for split in splits:
+        counts[f"rejected.{split}"] = sum(
+            counts[f"rejected.{split}.{reason}"] for reason in records.REASONS)
+    return dict(sorted(counts.items()))
+
+
+def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, dict]) -> None:
+    for split, figures in stats.items():
+        read, encoded = counts[f"read.{split}"], counts[f"encoded.{split}"]
+        counted = figures["source_length"]["count"]
+        if read != encoded + counts[f"rejected.{split}"] or counted != encoded:
+            raise RuntimeError(f"encode: counts do not add up for {split}: {dict(counts)}, "
+                               f"stats count {counted}")
+
+
+def _glob(pattern: str) -> list[str]:
+    fs, path = artifacts.filesystem(pattern)
+    return sorted(fs.glob(path))
+
+
+def _read_json(uri: str) -> dict:
+    fs, path = artifacts.filesystem(uri)
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Recomputes the encode artifact from the complete prepare and vocab artifacts."""
+    logging.info("encode stage, config:\n%s", config_lib.dump(config))
+    prepared = dag.require_input(config, "prepare")
+    vocab = dag.require_input(config, "vocab")
+    inputs = {split: corpus.split_pattern(prepared.uri, split) for split in records.SPLITS}
+    for split, pattern in inputs.items():  # structural errors before any work starts
+        if not _glob(pattern):
+            raise FileNotFoundError(
+                f"prepare artifact {prepared.uri} has no {split} split ({pattern})")
+    tokenizer = tokenizer_lib.Tokenizer.load(vocab.path(tokenizer_lib.MODEL_FILE))
+
+    with artifacts.write(
+        config.workdir, "encode", dag.stage_key(config, "encode"),
+        config=dag.section_values(config, "encode"),
+        config_yaml=config_lib.dump(config),
+        inputs={"prepare": prepared.uri, "vocab": vocab.uri},
+    ) as out:
+        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+        build(pipeline, config, inputs=inputs, tokenizer=tokenizer, output_uri=out.tmp_uri)
+        result = pipeline.run()
+        result.wait_until_finish()
+        counts = collect_counts(result, list(inputs))
+        stats = {split: _read_json(records.stats_path(out.tmp_uri, split)) for split in inputs}
+        _check_accounting(counts, stats)
+        out.counts.update(counts)
+        out.metrics.update(stats)
+    artifact = artifacts.read(dag.output_uri(config, "encode"))
+    logging.info("encode: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
+    return artifact
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
+    artifact = run(config, beam_args=beam_args)
+    print(f"encode: {artifact.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package so pickled functions refer to `pipelines.encode`, not `__main__`.
+    from pipelines import encode as _encode
+
+    sys.exit(_encode.main(sys.argv[1:]))

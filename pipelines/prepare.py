@@ -1,0 +1,228 @@
+"""The `prepare` stage: raw parallel text -> normalised, validated, de-duplicated splits.
+
+Contract:
+  reads:  the corpora named in the config's `data` section (no upstream artifact).
+  writes: `<workdir>/prepare/<key>/` with `{split}-SSSSS-of-NNNNN.jsonl` for `train`
+          (`prepare.num_shards` shards), `dev` and each test set (`test` when carved), lines
+          `{"id", "source", "target"}`; `rejects-00000-of-00001.jsonl` with the reason of
+          every rejected pair; `manifest.json` counts `read.<split>`, `kept.<split>`,
+          `rejected.<reason>` and `rejected_by_split.<split>.<reason>` (Beam counters).
+  The rules (normalisation, reasons, which apply to dev/test, carving, ids) are in the
+  docstring of components/corpus.py. Read the output with `components.corpus.read_split`.
+
+Misaligned source/target files or a missing file fail before the pipeline starts, and
+nothing is written. Gzip is not splittable, so each corpus is read whole by one worker and
+the pairs are reshuffled before the per-pair work.
+
+Run locally (the in-process FnApiRunner):
+    PADIR_DATA_ROOT=../shared/data python -m pipelines.prepare \\
+        --config configs/multi30k_en_de.yaml
+or `padir stage prepare configs/multi30k_en_de.yaml`. On Dataflow (workdir and inputs on
+GCS, workers from a container built from the same lock):
+    python -m pipelines.prepare --config configs/multi30k_en_de.yaml \\
+        --set workdir=gs://BUCKET/padir --runner=DataflowRunner --project=PROJECT \\
+        --region=REGION --temp_location=gs://BUCKET/tmp --sdk_container_image=IMAGE
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+
+from components import artifacts, corpus, dag
+from components import config as config_lib
+from pipelines import options
+
+NAMESPACE = "prepare"  # of the Beam counters that become the manifest's counts
+
+# --- transforms ------------------------------------------------------------------------
+
+
+def read_corpus(spec: corpus.CorpusSpec) -> Iterator[corpus.RawPair]:
+    """All raw pairs of one corpus, counted as `read.<split>`."""
+    counter = Metrics.counter(NAMESPACE, f"read.{spec.split}")
+    for raw in corpus.read_pairs(spec):
+        counter.inc()
+        yield raw
+
+
+def tag_reject(reject: corpus.Reject) -> beam.pvalue.TaggedOutput:
+    """Counts a reject (total and per split) and routes it to the rejects output."""
+    Metrics.counter(NAMESPACE, f"rejected.{reject.reason}").inc()
+    Metrics.counter(NAMESPACE, f"rejected_by_split.{reject.split}.{reject.reason}").inc()
+    return beam.pvalue.TaggedOutput(corpus.REJECTS, reject)
+
+
+class CleanPairs(beam.DoFn):
+    """Raw pairs -> normalised pairs (main output) and rejects (tagged `rejects`)."""
+
+    def __init__(self, config: config_lib.PrepareConfig):
+        self._config = config
+
+    def process(self, raw: corpus.RawPair):
+        result = corpus.clean_pair(raw, self._config)
+        yield tag_reject(result) if isinstance(result, corpus.Reject) else result
+
+
+class KeepLowestId(beam.DoFn):
+    """One group of identical pairs -> the lowest id (main output) and duplicate rejects."""
+
+    def process(self, group):
+        _, pairs = group
+        kept, duplicates = corpus.drop_duplicates(pairs)
+        yield kept
+        for reject in duplicates:
+            yield tag_reject(reject)
+
+
+class DropDuplicates(beam.PTransform):
+    """Pairs -> pairs with distinct (source, target) (main) and `rejects`."""
+
+    def expand(self, pairs):
+        return (
+            pairs
+            | "KeyByText" >> beam.Map(lambda pair: ((pair.source, pair.target), pair))
+            | "GroupByText" >> beam.GroupByKey()
+            | "KeepLowestId" >> beam.ParDo(KeepLowestId()).with_outputs(corpus.REJECTS,
+                                                                        main="pairs")
+        )
+
+
+def _counted(record, counter_name: str):
+    Metrics.counter(NAMESPACE, counter_name).inc()
+    return record
+
+
+class WriteJsonl(beam.PTransform):
+    """Records with `to_json()` -> `<prefix>-SSSSS-of-NNNNN.jsonl`, optionally counted."""
+
+    def __init__(self, prefix: str, num_shards: int, counter_name: Optional[str] = None):
+        super().__init__()
+        self._prefix = prefix
+        self._num_shards = num_shards
+        self._counter_name = counter_name
+
+    def expand(self, records):
+        if self._counter_name is not None:
+            records = records | "Count" >> beam.Map(_counted, self._counter_name)
+        return (
+            records
+            | "ToJson" >> beam.Map(lambda record: record.to_json())
+            | "Write" >> beam.io.WriteToText(
+                self._prefix, file_name_suffix=".jsonl", num_shards=self._num_shards,
+                shard_name_template="-SSSSS-of-NNNNN")
+        )
+
+
+def _is_held_out(pair: corpus.Pair, num_partitions: int) -> int:
+    return int(pair.split != corpus.TRAIN)
+
+
+def _split_index(pair: corpus.Pair, num_partitions: int, splits: tuple[str, ...], seed: int,
+                 data: config_lib.DataConfig) -> int:
+    return splits.index(corpus.output_split(pair, seed=seed, data=data))
+
+
+# --- the job ---------------------------------------------------------------------------
+
+
+def build(pipeline: beam.Pipeline, config: config_lib.Config, output_uri: str) -> None:
+    """Composes the stage's steps; every output goes under `output_uri`."""
+    splits = corpus.output_splits(config.data)
+    cleaned = (
+        pipeline
+        | "ListCorpora" >> beam.Create(corpus.corpus_specs(config.data))
+        | "ReadPairs" >> beam.FlatMap(read_corpus)
+        | "Reshuffle" >> beam.Reshuffle()
+        | "CleanPairs" >> beam.ParDo(CleanPairs(config.prepare)).with_outputs(corpus.REJECTS,
+                                                                              main="pairs")
+    )
+    rejects = [cleaned[corpus.REJECTS]]
+    train, held_out = cleaned.pairs | "SeparateHeldOut" >> beam.Partition(_is_held_out, 2)
+    if config.prepare.deduplicate:  # train only: official dev/test sets stay as given
+        deduplicated = train | "DropDuplicates" >> DropDuplicates()
+        train = deduplicated.pairs
+        rejects.append(deduplicated[corpus.REJECTS])
+    by_split = (
+        (train, held_out)
+        | "MergePairs" >> beam.Flatten()
+        | "AssignSplits" >> beam.Partition(_split_index, len(splits), splits, config.seed,
+                                           config.data)
+    )
+    for split, pairs in zip(splits, by_split):
+        num_shards = config.prepare.num_shards if split == corpus.TRAIN else 1
+        _ = pairs | f"Write[{split}]" >> WriteJsonl(
+            artifacts.join(output_uri, split), num_shards, counter_name=f"kept.{split}")
+    _ = (
+        rejects
+        | "MergeRejects" >> beam.Flatten()
+        | "WriteRejects" >> WriteJsonl(artifacts.join(output_uri, corpus.REJECTS), 1)
+    )
+
+
+def collect_counts(result: beam.runners.runner.PipelineResult,
+                   data: config_lib.DataConfig) -> dict[str, int]:
+    """The job's counters by name, with a zero for every split and reason that saw none."""
+    counts = {f"read.{spec.split}": 0 for spec in corpus.corpus_specs(data)}
+    counts.update({f"kept.{split}": 0 for split in corpus.output_splits(data)})
+    counts.update({f"rejected.{reason}": 0 for reason in corpus.REASONS})
+    query = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+    for counter in query["counters"]:
+        # Committed values are exact under retries; runners without them report attempted.
+        value = counter.committed if counter.committed is not None else counter.attempted
+        name = counter.key.metric.name
+        counts[name] = counts.get(name, 0) + value
+    return dict(sorted(counts.items()))
+
+
+def _check_accounting(counts: dict[str, int]) -> None:
+    """Every pair read is either kept or rejected: nothing is silently dropped."""
+    total = {prefix: sum(v for k, v in counts.items() if k.startswith(prefix))
+             for prefix in ("read.", "kept.", "rejected.")}
+    if total["read."] != total["kept."] + total["rejected."]:
+        raise RuntimeError(f"prepare lost pairs: read {total['read.']} != kept "
+                           f"{total['kept.']} + rejected {total['rejected.']}: {counts}")
+
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Checks the inputs, runs the job and publishes its artifact (see module docstring).
+
+    Raises:
+      corpus.CorpusError: a missing file or misaligned sides; nothing is written.
+    """
+    logging.info("prepare: resolved config\n%s", config_lib.dump(config))
+    for spec in corpus.corpus_specs(config.data):  # before anything is written
+        logging.info("prepare: %s has %d lines", spec.split, corpus.check_corpus(spec))
+    key = dag.stage_key(config, "prepare")
+    with artifacts.write(config.workdir, "prepare", key,
+                         config=dag.section_values(config, "prepare"),
+                         config_yaml=config_lib.dump(config), inputs={}) as pending:
+        pipeline = beam.Pipeline(options=options.pipeline_options(config, beam_args))
+        build(pipeline, config, pending.tmp_uri)
+        result = pipeline.run()
+        result.wait_until_finish()
+        counts = collect_counts(result, config.data)
+        _check_accounting(counts)
+        pending.counts.update(counts)
+        pending.metrics["split_sizes"] = {
+            split: counts[f"kept.{split}"] for split in corpus.output_splits(config.data)}
+    artifact = artifacts.read(dag.output_uri(config, "prepare"))
+    logging.info("prepare: wrote %s %s", artifact.uri, artifact.manifest["counts"])
+    return artifact
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.getLogger().setLevel(logging.INFO)
+    config, beam_args = options.parse_args(argv, description=__doc__)
+    print(run(config, beam_args).uri)
+
+
+if __name__ == "__main__":
+    # Run through the importable module rather than `__main__`, so that what Beam pickles
+    # refers to `pipelines.prepare.*`, which Dataflow workers can import.
+    from pipelines import prepare
+
+    prepare.main()

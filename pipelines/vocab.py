@@ -1,0 +1,338 @@
+"""The `vocab` stage: Beam word counts of the prepared train split, then one joint SentencePiece.
+
+Contract:
+  reads   the `prepare` artifact: `train-*.jsonl` (and `dev-*.jsonl` for the coverage
+          figures), one `{"id", "source", "target"}` object per line.
+  writes  `<workdir>/vocab/<key>/`:
+            word_counts.tsv  `word<TAB>count`, the `vocab.max_words` most frequent words of
+                             both sides, by count (descending) then word;
+            spm.model, spm.vocab  a joint SentencePiece model trained from that file with
+                             the reserved ids of `components.tokenizer` (pad 0, eos 1, unk 2,
+                             bos 3, <mask> 4, <length> 5; then the byte pieces);
+            manifest.json    counts (words, distinct words, vocab size) and metrics (pieces
+                             per sentence on train, unk / byte-fallback rate and character
+                             coverage on dev, per language).
+
+Only the counting is a Beam job (it scales out); SentencePiece then trains in-process on
+the counts, which are small. Training on `word<TAB>count` gives the same model as training
+on the sentences: SentencePiece never builds a piece across a space.
+
+Run it alone, locally:
+
+    PADIR_DATA_ROOT=/path/to/data python -m pipelines.vocab --config configs/multi30k_en_de.yaml
+
+or on Dataflow (the workdir must then be a gs:// path):
+
+    python -m pipelines.vocab --config configs/multi30k_en_de.yaml \
+        --set workdir=gs://BUCKET/padir --runner DataflowRunner --project PROJECT \
+        --region REGION --temp_location gs://BUCKET/tmp \
+        --sdk_container_image IMAGE
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import shutil
+import sys
+import tempfile
+from typing import Iterable, Iterator, Sequence
+
+import apache_beam as beam
+import fsspec
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+
+from components import artifacts, dag
+from components import config as config_lib
+from components import tokenizer as tokenizer_lib
+from pipelines import options as options_lib
+
+WORD_COUNTS_FILE = "word_counts.tsv"
+_NAMESPACE = "vocab"
+_ENCODE_BATCH = 1024
+
+
+# --- element logic and transforms --------------------------------------------------------
+
+
+class ExtractWordsFn(beam.DoFn):
+    """A prepared pair -> the whitespace words of its source and target sides."""
+
+    def __init__(self):
+        super().__init__()
+        self.words = Metrics.counter(_NAMESPACE, "words")
+
+    def process(self, pair: dict) -> Iterator[str]:
+        for side in ("source", "target"):
+            words = tokenizer_lib.whitespace_words(pair[side])
+            self.words.inc(len(words))
+            yield from words
+
+
+class ExtractWords(beam.PTransform):
+    """JSON lines of prepared pairs -> words (both sides: the vocabulary is joint)."""
+
+    def expand(self, lines):
+        return (
+            lines
+            | "ParseJson" >> beam.Map(json.loads)
+            | "SplitSides" >> beam.ParDo(ExtractWordsFn())
+        )
+
+
+class CountWords(beam.PTransform):
+    """Words -> (word, count); a CombinePerKey, so counts are combined before the shuffle."""
+
+    def expand(self, words):
+        distinct = Metrics.counter(_NAMESPACE, "distinct_words")
+
+        def count_distinct(word_count):
+            distinct.inc()
+            return word_count
+
+        return (
+            words
+            | "PairWithOne" >> beam.Map(lambda word: (word, 1))
+            | "SumPerWord" >> beam.CombinePerKey(sum)
+            | "CountDistinct" >> beam.Map(count_distinct)
+        )
+
+
+def frequency_order(word_count: tuple[str, int]) -> tuple[int, str]:
+    """Sort key: most frequent first, ties broken by the word (deterministic)."""
+    word, count = word_count
+    return -count, word
+
+
+def format_word_counts(word_counts: Sequence[tuple[str, int]]) -> Iterator[str]:
+    """The whole `word<TAB>count` file as one element (one element keeps the order)."""
+    if word_counts:
+        yield "\n".join(f"{word}\t{count}" for word, count in word_counts)
+
+
+class SelectTopWords(beam.PTransform):
+    """(word, count) -> one text blob of the `max_words` most frequent, in frequency order."""
+
+    def __init__(self, max_words: int):
+        super().__init__()
+        self.max_words = max_words
+
+    def expand(self, word_counts):
+        return (
+            word_counts
+            # reverse=True keeps the smallest keys: highest counts, then the first words.
+            | "Top" >> beam.combiners.Top.Of(self.max_words, key=frequency_order, reverse=True)
+            | "Format" >> beam.FlatMap(format_word_counts)
+        )
+
+
+def build(pipeline: beam.Pipeline, config: config_lib.Config, input_pattern: str,
+          output_uri: str) -> None:
+    """Adds the word count: prepared JSON lines at `input_pattern` -> `output_uri` (TSV)."""
+    _ = (
+        pipeline
+        | "ReadTrain" >> beam.io.ReadFromText(input_pattern)
+        | "ExtractWords" >> ExtractWords()
+        | "CountWords" >> CountWords()
+        | "SelectTopWords" >> SelectTopWords(config.vocab.max_words)
+        | "WriteWordCounts" >> beam.io.WriteToText(
+            output_uri, num_shards=1, shard_name_template="")
+    )
+
+
+# --- statistics of the trained model -------------------------------------------------------
+
+
+def read_split(artifact: artifacts.Artifact, split: str) -> Iterator[dict]:
+    """The pairs of one prepared split, shard by shard (plain Python; for statistics)."""
+    for url in _glob(artifact.path(f"{split}-*.jsonl")):
+        with fsspec.open(url, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def _glob(pattern: str) -> list[str]:
+    """The files matching a local or fsspec glob, sorted, as openable URLs."""
+    fs, path = artifacts.filesystem(pattern)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    return [prefix + p for p in sorted(fs.glob(path))]
+
+
+def _batches(items: Iterable, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def summarise_lengths(histogram: collections.Counter) -> dict:
+    """Mean and p95 (nearest rank) of a length histogram {length: sentences}."""
+    total = sum(histogram.values())
+    if not total:
+        return {"mean": None, "p95": None}
+    mean = sum(length * n for length, n in histogram.items()) / total
+    rank, seen = math.ceil(0.95 * total), 0
+    for length in sorted(histogram):
+        seen += histogram[length]
+        if seen >= rank:
+            return {"mean": round(mean, 3), "p95": length}
+    raise AssertionError("unreachable")
+
+
+def piece_length_stats(tokenizer: tokenizer_lib.Tokenizer, pairs: Iterable[dict],
+                       langs: tuple[str, str]) -> tuple[int, dict]:
+    """Pieces per sentence (mean, p95) per language; also returns the number of pairs."""
+    histograms = {lang: collections.Counter() for lang in langs}
+    num_pairs = 0
+    for batch in _batches(pairs, _ENCODE_BATCH):
+        num_pairs += len(batch)
+        for lang, side in zip(langs, ("source", "target")):
+            histograms[lang].update(len(ids) for ids in tokenizer.encode([p[side] for p in batch]))
+    return num_pairs, {lang: summarise_lengths(h) for lang, h in histograms.items()}
+
+
+def vocab_characters(tokenizer: tokenizer_lib.Tokenizer) -> frozenset[str]:
+    """Every character of a real piece ('▁' stands for the space)."""
+    chars = set()
+    for token_id in range(tokenizer.first_real_id, tokenizer.vocab_size):
+        chars.update(tokenizer.id_to_piece(token_id))
+    return frozenset(chars)
+
+
+def coverage_stats(tokenizer: tokenizer_lib.Tokenizer, pairs: Iterable[dict],
+                   langs: tuple[str, str]) -> tuple[int, dict]:
+    """Unk rate, byte-fallback rate (per piece) and character coverage (per non-space
+    character) per language; also returns the number of pairs."""
+    chars = vocab_characters(tokenizer)
+    totals = {lang: collections.Counter() for lang in langs}
+    num_pairs = 0
+    for batch in _batches(pairs, _ENCODE_BATCH):
+        num_pairs += len(batch)
+        for lang, side in zip(langs, ("source", "target")):
+            texts = [p[side] for p in batch]
+            t = totals[lang]
+            for ids in tokenizer.encode(texts):
+                t["pieces"] += len(ids)
+                t["unk"] += sum(1 for i in ids if i == tokenizer_lib.UNK_ID)
+                t["byte"] += sum(1 for i in ids if tokenizer.is_byte(i))
+            for text in texts:
+                for c in text:
+                    if not c.isspace():
+                        t["chars"] += 1
+                        t["covered"] += c in chars
+    return num_pairs, {
+        lang: {
+            "unk_rate": _ratio(t["unk"], t["pieces"]),
+            "byte_fallback_rate": _ratio(t["byte"], t["pieces"]),
+            "char_coverage": _ratio(t["covered"], t["chars"]),
+        }
+        for lang, t in totals.items()
+    }
+
+
+def _ratio(numerator: int, denominator: int) -> float | None:
+    return round(numerator / denominator, 6) if denominator else None
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def _counter(result, name: str) -> int:
+    found = result.metrics().query(MetricsFilter().with_namespace(_NAMESPACE).with_name(name))
+    total = 0
+    for counter in found["counters"]:
+        total += counter.committed if counter.committed is not None else counter.attempted
+    return total
+
+
+def _put(local_path: str, uri: str) -> None:
+    fs, path = artifacts.filesystem(uri)
+    fs.put_file(local_path, path)
+
+
+def _fetch(uri: str, local_path: str) -> None:
+    fs, path = artifacts.filesystem(uri)
+    fs.get_file(path, local_path)
+
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Recomputes the vocab artifact from the complete prepare artifact; returns it."""
+    logging.info("vocab stage, config:\n%s", config_lib.dump(config))
+    prepared = dag.require_input(config, "prepare")
+    train_pattern = prepared.path("train-*.jsonl")
+    if not _glob(train_pattern):
+        raise FileNotFoundError(
+            f"prepare artifact {prepared.uri} has no train split ({train_pattern})")
+    langs = (config.data.source_lang, config.data.target_lang)
+    if langs[0] == langs[1]:  # the metrics are keyed by language
+        langs = (f"{langs[0]}-source", f"{langs[1]}-target")
+
+    with artifacts.write(
+        config.workdir, "vocab", dag.stage_key(config, "vocab"),
+        config=dag.section_values(config, "vocab"),
+        config_yaml=config_lib.dump(config),
+        inputs={"prepare": prepared.uri},
+    ) as out:
+        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+        build(pipeline, config, train_pattern, out.path(WORD_COUNTS_FILE))
+        result = pipeline.run()
+        result.wait_until_finish()
+        distinct_words = _counter(result, "distinct_words")
+        if distinct_words == 0:
+            raise ValueError(f"the train split of {prepared.uri} has no words")
+
+        local_dir = tempfile.mkdtemp(prefix="padir-vocab-")
+        try:
+            local_counts = f"{local_dir}/{WORD_COUNTS_FILE}"
+            _fetch(out.path(WORD_COUNTS_FILE), local_counts)
+            model_prefix = f"{local_dir}/spm"
+            model_bytes = tokenizer_lib.train_sentencepiece(
+                local_counts, model_prefix, config.vocab, seed=config.seed, num_threads=2)
+            _put(f"{model_prefix}.model", out.path(tokenizer_lib.MODEL_FILE))
+            _put(f"{model_prefix}.vocab", out.path(tokenizer_lib.VOCAB_FILE))
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+
+        tokenizer = tokenizer_lib.Tokenizer(model_bytes)
+        train_pairs, pieces = piece_length_stats(tokenizer, read_split(prepared, "train"), langs)
+        dev_pairs, dev = coverage_stats(tokenizer, read_split(prepared, "dev"), langs)
+        out.counts.update(
+            train_pairs=train_pairs,
+            dev_pairs=dev_pairs,
+            words=_counter(result, "words"),
+            distinct_words=distinct_words,
+            words_kept=min(distinct_words, config.vocab.max_words),
+            vocab_size=tokenizer.vocab_size,
+            first_real_id=tokenizer.first_real_id,
+        )
+        out.metrics.update(
+            train_pieces_per_sentence=pieces,
+            dev=dev,
+        )
+    artifact = artifacts.read(dag.output_uri(config, "vocab"))
+    logging.info("vocab: %s counts=%s metrics=%s", artifact.uri,
+                 artifact.manifest["counts"], artifact.manifest["metrics"])
+    return artifact
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
+    artifact = run(config, beam_args=beam_args)
+    print(f"vocab: {artifact.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package so pickled functions refer to `pipelines.vocab`, not `__main__`.
+    from pipelines import vocab as _vocab
+
+    sys.exit(_vocab.main(sys.argv[1:]))

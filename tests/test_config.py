@@ -1,0 +1,178 @@
+"""components/config.py: the typed schema, overrides, includes, env vars, section hashes."""
+
+import pytest
+import yaml
+
+from components import config as config_lib
+from components import dag
+from components.config import ConfigError
+
+BASE = {"workdir": "work", "data": {"train": {"source": "a.en", "target": "a.de"}}}
+
+
+def _write_yaml(path, data) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _load(tmp_path, data=None, overrides=()) -> config_lib.Config:
+    return config_lib.load(_write_yaml(tmp_path / "c.yaml", data or BASE), overrides)
+
+
+def test_defaults_live_in_the_schema(tmp_path):
+    config = _load(tmp_path)
+    assert config.prepare == config_lib.PrepareConfig()
+    assert config.beam.runner == "FnApiRunner"
+    assert config.data.train.source == "a.en"
+
+
+def test_load_round_trips_through_dump(tmp_path):
+    config = _load(tmp_path, overrides=["data.test=[{name: t1, corpus: {tsv: t.tsv}}]"])
+    reloaded = config_lib.load(_write_yaml(tmp_path / "dumped.yaml",
+                                           yaml.safe_load(config_lib.dump(config))))
+    assert reloaded == config
+
+
+@pytest.mark.parametrize("override, key", [
+    ("prepare.max_charz=3", "prepare.max_charz"),
+    ("data.train.sauce=x", "data.train.sauce"),
+    ("colour=red", "colour"),
+])
+def test_unknown_key_names_the_key(tmp_path, override, key):
+    with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+        _load(tmp_path, overrides=[override])
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("prepare.max_chars=many", "prepare.max_chars", "an integer"),
+    ("prepare.max_chars=1.5", "prepare.max_chars", "an integer"),
+    ("prepare.deduplicate=1", "prepare.deduplicate", "true/false"),
+    ("prepare.max_length_ratio=[1]", "prepare.max_length_ratio", "a number"),
+    ("beam.options=--flag", "beam.options", "a list"),
+    ("data.train=3", "data.train", "a mapping"),
+    ("vocab.model_type=wordpiece", "vocab.model_type", "one of"),
+])
+def test_wrong_type_names_the_key(tmp_path, override, key, expected):
+    with pytest.raises(ConfigError, match=f"{key}: expected {expected}"):
+        _load(tmp_path, overrides=[override])
+
+
+def test_set_overrides_scalars_nested_keys_and_lists(tmp_path):
+    config = _load(tmp_path, overrides=[
+        "seed=3",
+        "prepare.max_length_ratio=2",  # an int where a float is expected
+        "data.train.target=b.de",  # nested, keeps the sibling `source`
+        "beam.options=[--direct_num_workers=2, --direct_running_mode=multi_threading]",
+        "data.test=[{name: test2016, corpus: {source: t.en, target: t.de}}]",
+        "data.max_train_pairs=null",
+    ])
+    assert config.seed == 3
+    assert config.prepare.max_length_ratio == 2.0 and isinstance(
+        config.prepare.max_length_ratio, float)
+    assert (config.data.train.source, config.data.train.target) == ("a.en", "b.de")
+    assert config.beam.options == ("--direct_num_workers=2", "--direct_running_mode=multi_threading")
+    assert config.data.test == (config_lib.TestSetConfig(
+        "test2016", config_lib.CorpusConfig(source="t.en", target="t.de")),)
+    assert config.data.max_train_pairs is None
+
+
+def test_set_needs_key_and_value(tmp_path):
+    with pytest.raises(ConfigError, match="key=value"):
+        _load(tmp_path, overrides=["seed"])
+    with pytest.raises(ConfigError, match="'workdir' is not a section"):
+        _load(tmp_path, overrides=["workdir.x=1"])
+
+
+def test_env_vars_are_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("PADIR_DATA_ROOT", "/data/root")
+    data = {"data": {"train": {"source": "${PADIR_DATA_ROOT}/train.en.gz",
+                               "target": "${PADIR_DATA_ROOT}/train.de.gz"}}}
+    config = _load(tmp_path, data)
+    assert config.data.train.source == "/data/root/train.en.gz"
+    assert "/data/root/train.de.gz" in config_lib.dump(config)  # the resolved config
+
+
+def test_missing_env_var_names_variable_and_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("PADIR_NOT_SET", raising=False)
+    data = {"data": {"train": {"tsv": "${PADIR_NOT_SET}/deu.zip"}}}
+    with pytest.raises(ConfigError, match="data.train.tsv: environment variable PADIR_NOT_SET"):
+        _load(tmp_path, data)
+
+
+def test_include_merges_the_overlay_over_its_base(tmp_path):
+    _write_yaml(tmp_path / "base.yaml", {
+        "workdir": "work/base", "seed": 1,
+        "data": {"train": {"source": "a.en", "target": "a.de"}, "max_train_pairs": 100},
+        "prepare": {"max_chars": 400, "num_shards": 8},
+    })
+    (tmp_path / "overlays").mkdir()
+    overlay = _write_yaml(tmp_path / "overlays" / "small.yaml", {
+        "include": "../base.yaml", "workdir": "work/small",
+        "data": {"max_train_pairs": 10}, "prepare": {"num_shards": 1},
+    })
+    config = config_lib.load(overlay, ["prepare.max_chars=50"])
+    assert config.workdir == "work/small" and config.seed == 1
+    assert config.data.train.source == "a.en" and config.data.max_train_pairs == 10
+    assert (config.prepare.max_chars, config.prepare.num_shards) == (50, 1)
+
+
+def test_the_shipped_configs_load(monkeypatch):
+    monkeypatch.setenv("PADIR_DATA_ROOT", "/data")
+    demo = config_lib.load("configs/demo.yaml")
+    assert demo.data.max_train_pairs == 3000
+    assert demo.data.train.source == "/data/multi30k/train.en.gz"
+    assert [t.name for t in demo.data.test] == ["test2016"]
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"train": {"source": "a"}}, "data.train: source and target must both be given"),
+    ({"train": {"source": "a", "target": "b", "tsv": "c"}}, "data.train: give either"),
+    ({"train": {}}, "data.train: give source"),
+    ({"train": {"source": "a", "target": "b", "member": "m"}}, "data.train.member"),
+    ({"train": {"tsv": "c", "tsv_columns": [1, 1]}}, "data.train.tsv_columns"),
+    ({"train": {"tsv": "c", "tsv_columns": [0, 2], "tsv_num_columns": 2}},
+     "data.train.tsv_num_columns"),
+    ({"train": {"tsv": "c"}, "carve_dev_fraction": 1.5}, "data.carve_dev_fraction"),
+    ({"train": {"tsv": "c"}, "carve_dev_fraction": 0.5, "carve_test_fraction": 0.5},
+     "carve_test_fraction must be < 1"),
+    ({"train": {"tsv": "c"}, "max_train_pairs": 0}, "data.max_train_pairs"),
+    ({"train": {"tsv": "c"}, "test": [{"name": "train", "corpus": {"tsv": "t"}}]},
+     r"data.test\[0\].name"),
+    ({"train": {"tsv": "c"}, "test": [{"name": "a/b", "corpus": {"tsv": "t"}}]},
+     r"data.test\[0\].name"),
+    ({"train": {"tsv": "c"}, "test": [{"name": "t", "corpus": {"tsv": "t"}},
+                                      {"name": "t", "corpus": {"tsv": "u"}}]},
+     r"data.test\[1\].name: 't' is given twice"),
+    ({"train": {"tsv": "c"}, "test": [{"name": "t", "corpus": {}}]}, r"data.test\[0\]"),
+])
+def test_invalid_data_sections_are_named(tmp_path, data, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, {"data": data})
+
+
+def test_invalid_prepare_section(tmp_path):
+    with pytest.raises(ConfigError, match="prepare.max_length_ratio"):
+        _load(tmp_path, overrides=["prepare.max_length_ratio=0.5"])
+    with pytest.raises(ConfigError, match="num_shards"):
+        _load(tmp_path, overrides=["prepare.num_shards=0"])
+
+
+def test_section_hash_is_stable_and_changes_only_for_the_changed_section(tmp_path):
+    config = _load(tmp_path)
+    again = _load(tmp_path)
+    sections = ("data", "prepare", "vocab", "beam")
+    assert {s: config.section_hash(s) for s in sections} == {
+        s: again.section_hash(s) for s in sections}
+    changed = _load(tmp_path, overrides=["prepare.max_chars=77"])
+    assert changed.section_hash("prepare") != config.section_hash("prepare")
+    assert {s: changed.section_hash(s) for s in ("data", "vocab", "beam")} == {
+        s: config.section_hash(s) for s in ("data", "vocab", "beam")}
+    # Artifact keys: the changed stage and its dependents change, upstream does not.
+    assert dag.stage_key(changed, "prepare") != dag.stage_key(config, "prepare")
+    assert dag.stage_key(changed, "vocab") != dag.stage_key(config, "vocab")
+    vocab_changed = _load(tmp_path, overrides=["vocab.size=4000"])
+    assert dag.stage_key(vocab_changed, "prepare") == dag.stage_key(config, "prepare")
+    assert dag.stage_key(vocab_changed, "vocab") != dag.stage_key(config, "vocab")
+    # Settings that do not define any output (the runner, the workdir) change no key.
+    moved = _load(tmp_path, overrides=["workdir=elsewhere", "beam.runner=DataflowRunner"])
+    assert dag.stage_key(moved, "vocab") == dag.stage_key(config, "vocab")

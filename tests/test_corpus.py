@@ -1,0 +1,247 @@
+"""components/corpus.py: reading, normalisation, validation, carving, the artifact readers."""
+
+import gzip
+import json
+import zipfile
+
+import fsspec
+import pytest
+
+from components import corpus
+from components import config as config_lib
+from components.config import CorpusConfig, DataConfig, PrepareConfig
+
+PREPARE = PrepareConfig(max_chars=50, max_length_ratio=3.0, min_chars_for_ratio=10)
+
+
+def _write(path, lines: list[bytes]) -> str:
+    blob = b"".join(line + b"\n" for line in lines)
+    if str(path).endswith(".gz"):
+        blob = gzip.compress(blob)
+    path.write_bytes(blob)
+    return str(path)
+
+
+def _raw(source: bytes, target: bytes, split="train", line=0) -> corpus.RawPair:
+    return corpus.RawPair(corpus.make_id(split, line), split, source, target)
+
+
+# --- normalise -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Cafe\u0301", "Caf\u00e9"),  # NFC
+    ("  a \t b\n", "a b"),  # tab/newline -> space, collapsed, stripped
+    ("a\x00b\x7fc", "abc"),  # Cc removed
+    ("zero\u200bwidth\u00adsoft\ufeff", "zerowidthsoft"),  # Cf removed (ZWSP, SHY, BOM)
+    ("a\u00a0\u2028b\x85c", "a b c"),  # other whitespace (NBSP, LS, NEL) collapses too
+    ("e\u200d\u0301", "\u00e9"),  # NFC after removing the format character
+    ("\r\n\t ", ""),
+    ("Plain ASCII.", "Plain ASCII."),
+])
+def test_normalise(text, expected):
+    assert corpus.normalise(text) == expected
+
+
+# --- check_pair / clean_pair -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, target, reason", [
+    ("A cat.", "Eine Katze.", None),
+    ("", "Leer", "empty"),
+    ("Voll", "", "empty"),
+    ("x" * 51, "y" * 51, "too_long"),
+    ("x" * 50, "y" * 50, None),  # max_chars is inclusive
+    ("a" * 10, "b" * 31, "length_ratio"),
+    ("a" * 10, "b" * 30, None),  # ratio exactly 3 is allowed
+    ("a" * 9, "b" * 40, None),  # shorter side below min_chars_for_ratio: no ratio test
+])
+def test_check_pair(source, target, reason):
+    assert corpus.check_pair(source, target, PREPARE, filter_lengths=True) == reason
+
+
+def test_check_pair_held_out_sets_only_reject_empty():
+    assert corpus.check_pair("x" * 500, "y", PREPARE, filter_lengths=False) is None
+    assert corpus.check_pair("", "y", PREPARE, filter_lengths=False) == "empty"
+
+
+def test_clean_pair_normalises_and_keeps():
+    pair = corpus.clean_pair(_raw(" Cafe\u0301\tau lait ".encode(), b"Milchkaffee\r"), PREPARE)
+    assert pair == corpus.Pair("train:000000", "train", "Caf\u00e9 au lait", "Milchkaffee")
+    assert json.loads(pair.to_json()) == {
+        "id": "train:000000", "source": "Caf\u00e9 au lait", "target": "Milchkaffee"}
+
+
+def test_clean_pair_invalid_utf8_shows_the_bytes():
+    reject = corpus.clean_pair(_raw(b"Caf\xe9", b"Kaffee", split="test2016", line=7), PREPARE)
+    assert reject == corpus.Reject("test2016:000007", "test2016", "invalid_utf8",
+                                   "Caf\\xe9", "Kaffee")
+    assert json.loads(reject.to_json())["source"] == "Caf\\xe9"
+
+
+def test_clean_pair_length_filters_apply_to_train_only():
+    long_pair = (b"x" * 60, b"y" * 60)
+    assert corpus.clean_pair(_raw(*long_pair), PREPARE).reason == "too_long"
+    assert isinstance(corpus.clean_pair(_raw(*long_pair, split="dev"), PREPARE), corpus.Pair)
+    assert corpus.clean_pair(_raw(b" ", b"y", split="dev"), PREPARE).reason == "empty"
+
+
+def test_clean_pair_malformed():
+    raw = corpus.RawPair("train:000003", "train", b"a\tb\tc", b"", malformed=True)
+    assert corpus.clean_pair(raw, PREPARE) == corpus.Reject(
+        "train:000003", "train", "malformed", "a\tb\tc", "")
+
+
+def test_drop_duplicates_keeps_lowest_id_numerically():
+    pairs = [corpus.Pair(corpus.make_id("train", n), "train", "a", "b")
+             for n in (1_000_000, 999_999, 5_000_000)]
+    kept, rejects = corpus.drop_duplicates(pairs)
+    assert kept.id == "train:999999"
+    assert [(r.id, r.reason) for r in rejects] == [
+        ("train:1000000", "duplicate"), ("train:5000000", "duplicate")]
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def test_read_pairs_plain_and_gz_with_limit(tmp_path):
+    source = _write(tmp_path / "s.en.gz", [b"one", b"two\r", b"three\xe2\x80\xa8x"])
+    target = _write(tmp_path / "t.de", [b"eins", b"zwei", b"drei"])
+    spec = corpus.CorpusSpec("train", CorpusConfig(source=source, target=target))
+    assert corpus.check_corpus(spec) == 3
+    raws = list(corpus.read_pairs(spec))
+    # CR stripped; U+2028 inside a line does not split it.
+    assert [(r.id, r.source, r.target) for r in raws] == [
+        ("train:000000", b"one", b"eins"), ("train:000001", b"two", b"zwei"),
+        ("train:000002", b"three\xe2\x80\xa8x", b"drei")]
+    limited = corpus.CorpusSpec("train", spec.corpus, limit=2)
+    assert [r.id for r in corpus.read_pairs(limited)] == ["train:000000", "train:000001"]
+
+
+def test_read_pairs_tsv_in_zip(tmp_path):
+    archive = tmp_path / "deu-eng.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("deu.txt", "Hi.\tHallo!\nHi.\tGr\u00fc\u00df Gott!\nno tab\nx\ty\tz\n")
+        z.writestr("_about.txt", "about")
+    config = CorpusConfig(tsv=str(archive), member="deu.txt")
+    spec = corpus.CorpusSpec("train", config)
+    assert corpus.check_corpus(spec) == 4
+    raws = list(corpus.read_pairs(spec))
+    assert [(r.source, r.target, r.malformed) for r in raws] == [
+        (b"Hi.", b"Hallo!", False), (b"Hi.", "Grüß Gott!".encode(), False),
+        (b"no tab", b"", True), (b"x\ty\tz", b"", True)]
+    # Three columns, target first: the third column is ignored, two-column lines malformed.
+    swapped = CorpusConfig(tsv=str(archive), member="deu.txt", tsv_columns=(1, 0),
+                           tsv_num_columns=3)
+    raws = list(corpus.read_pairs(corpus.CorpusSpec("train", swapped)))
+    assert [r.malformed for r in raws] == [True, True, True, False]
+    assert (raws[3].source, raws[3].target) == (b"y", b"x")
+
+
+def test_check_corpus_misaligned_names_both_files_and_counts(tmp_path):
+    source = _write(tmp_path / "train.en.gz", [b"a", b"b", b"c"])
+    target = _write(tmp_path / "train.de.gz", [b"a", b"b"])
+    spec = corpus.CorpusSpec("train", CorpusConfig(source=source, target=target))
+    with pytest.raises(corpus.CorpusError) as error:
+        corpus.check_corpus(spec)
+    message = str(error.value)
+    assert source in message and target in message
+    assert "3 lines" in message and "2 lines" in message
+
+
+def test_check_corpus_missing_file(tmp_path):
+    source = _write(tmp_path / "s", [b"a"])
+    spec = corpus.CorpusSpec("dev", CorpusConfig(source=source, target=str(tmp_path / "nope")))
+    with pytest.raises(corpus.CorpusError, match="data.dev.target.*nope"):
+        corpus.check_corpus(spec)
+    missing_member = CorpusConfig(tsv=str(tmp_path / "x.zip"), member="deu.txt")
+    with zipfile.ZipFile(tmp_path / "x.zip", "w") as z:
+        z.writestr("other.txt", "a\tb\n")
+    with pytest.raises(corpus.CorpusError, match="deu.txt"):
+        corpus.check_corpus(corpus.CorpusSpec("train", missing_member))
+
+
+# --- splits ----------------------------------------------------------------------------
+
+
+def _data(**kwargs) -> DataConfig:
+    return DataConfig(train=CorpusConfig(tsv="x.tsv"), **kwargs)
+
+
+def test_output_splits_and_specs():
+    carved = _data()
+    assert corpus.output_splits(carved) == ("train", "dev", "test")
+    given = _data(dev=CorpusConfig(tsv="d.tsv"), max_train_pairs=10,
+                  test=(config_lib.TestSetConfig("test2016", CorpusConfig(tsv="t.tsv")),))
+    assert corpus.output_splits(given) == ("train", "dev", "test2016")
+    assert [(s.split, s.limit) for s in corpus.corpus_specs(given)] == [
+        ("train", 10), ("dev", None), ("test2016", None)]
+
+
+def test_carve_split_is_deterministic_and_roughly_proportional():
+    data = _data(carve_dev_fraction=0.1, carve_test_fraction=0.2)
+    sources = [f"Sentence number {i}." for i in range(5000)]
+    first = [corpus.carve_split(s, seed=0, data=data) for s in sources]
+    assert first == [corpus.carve_split(s, seed=0, data=data) for s in sources]
+    shares = {split: first.count(split) / len(first) for split in ("train", "dev", "test")}
+    assert shares["test"] == pytest.approx(0.2, abs=0.03)
+    assert shares["dev"] == pytest.approx(0.1, abs=0.03)
+    other_seed = [corpus.carve_split(s, seed=1, data=data) for s in sources]
+    assert other_seed != first
+
+
+def test_carve_split_only_carves_what_is_not_given():
+    sources = [f"s{i}" for i in range(2000)]
+    carve_both = _data(carve_dev_fraction=0.2, carve_test_fraction=0.2)
+    dev_given = _data(carve_dev_fraction=0.2, carve_test_fraction=0.2,
+                      dev=CorpusConfig(tsv="d.tsv"))
+    both = [corpus.carve_split(s, seed=3, data=carve_both) for s in sources]
+    test_only = [corpus.carve_split(s, seed=3, data=dev_given) for s in sources]
+    assert "dev" not in test_only
+    # The bands are fixed: the carved test split is the same whether or not dev is carved.
+    assert [s == "test" for s in both] == [s == "test" for s in test_only]
+
+
+def test_output_split_keeps_translations_of_one_source_together():
+    data = _data(carve_dev_fraction=0.3, carve_test_fraction=0.3)
+    for i in range(200):
+        source = f"English sentence {i}."
+        splits = {corpus.output_split(corpus.Pair(f"train:{j:06d}", "train", source, f"de {j}"),
+                                      seed=0, data=data) for j in range(3)}
+        assert len(splits) == 1
+    given = corpus.Pair("test2016:000000", "test2016", "x", "y")
+    assert corpus.output_split(given, seed=0, data=data) == "test2016"
+
+
+# --- the artifact readers --------------------------------------------------------------
+
+
+def _write_shards(fs, root: str) -> None:
+    shards = {
+        "train-00000-of-00002.jsonl": ["train:000010", "train:000002"],
+        "train-00001-of-00002.jsonl": ["train:1000000", "train:000005"],
+        "test-00000-of-00001.jsonl": ["train:000001"],
+        "test2016-00000-of-00001.jsonl": ["test2016:000000"],
+    }
+    for name, ids in shards.items():
+        with fs.open(f"{root}/{name}", "wb") as f:
+            for pair_id in ids:
+                # U+2028 in the text must not break the line.
+                record = {"id": pair_id, "source": "a\u2028b", "target": "t"}
+                f.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+
+
+@pytest.mark.parametrize("scheme", ["local", "memory"])
+def test_read_split_is_sorted_by_id_and_matches_only_its_split(tmp_path, scheme):
+    root = str(tmp_path) if scheme == "local" else f"memory://{tmp_path.name}/prepare"
+    fs, _ = fsspec.core.url_to_fs(root)
+    if scheme == "memory":
+        fs.makedirs(root, exist_ok=True)
+    _write_shards(fs, root)
+    assert corpus.split_pattern(root, "train") == f"{root}/train-?????-of-?????.jsonl"
+    assert [r["id"] for r in corpus.read_split(root, "train")] == [
+        "train:000002", "train:000005", "train:000010", "train:1000000"]
+    assert [r["id"] for r in corpus.read_split(root, "test")] == ["train:000001"]
+    assert next(corpus.read_split(root, "test2016"))["source"] == "a\u2028b"
+    with pytest.raises(FileNotFoundError, match="dev"):
+        list(corpus.read_split(root, "dev"))

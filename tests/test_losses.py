@@ -1,0 +1,132 @@
+"""Tests for model/losses.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from components.config import ModelConfig
+from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model import losses
+from model.models import PaDIRModel
+from model.noising import noise_targets
+
+VOCAB = 12
+TARGETS = jnp.array([[7, 8, 9, EOS_ID, 0], [10, EOS_ID, 0, 0, 0], [0, 0, 0, 0, 0]], jnp.int32)
+NON_PAD = np.asarray(TARGETS != PAD_ID)
+
+
+def test_cross_entropy_matches_log_softmax_and_is_zero_at_the_smoothed_target():
+    logits = jax.random.normal(jax.random.key(0), TARGETS.shape + (VOCAB,))
+    total, count = losses.cross_entropy(logits, TARGETS, TARGETS != PAD_ID)
+    log_probs = jax.nn.log_softmax(logits)
+    expected = -jnp.take_along_axis(log_probs, TARGETS[..., None], -1)[..., 0]
+    np.testing.assert_allclose(total, np.sum(np.asarray(expected)[NON_PAD]), rtol=1e-5)
+    assert count == NON_PAD.sum()
+    # With smoothing 0.1, logits equal to the log of the smoothed target give loss 0.
+    soft = jax.nn.one_hot(TARGETS, VOCAB) * (0.9 - 0.1 / 11) + 0.1 / 11
+    total, _ = losses.cross_entropy(jnp.log(soft), TARGETS, TARGETS != PAD_ID, 0.1)
+    np.testing.assert_allclose(total, 0.0, atol=1e-4)
+
+
+def test_next_stage_input_zeroes_pads_and_remasks_stutter():
+    argmax = jnp.array([[7, 7, 9, EOS_ID, 5], [PAD_ID, EOS_ID, 8, 8, 8], [3, 3, 3, 3, 3]])
+    logits = jax.nn.one_hot(argmax, VOCAB) * 10.0
+    plain = losses.next_stage_input(logits, TARGETS)
+    # Pad positions of the target are PAD whatever the argmax; PAD is never emitted
+    # inside the target (row 1, position 0: the best id that may be a target).
+    np.testing.assert_array_equal(plain * (1 - NON_PAD), 0)
+    assert np.all(np.asarray(plain)[NON_PAD] != PAD_ID)
+    np.testing.assert_array_equal(plain[0], [7, 7, 9, EOS_ID, PAD_ID])
+    remasked = losses.next_stage_input(logits, TARGETS, remask_stutter=True)
+    np.testing.assert_array_equal(remasked[0], [7, MASK_ID, 9, EOS_ID, PAD_ID])
+
+
+def _toy_stage_logits(a, b):
+    """Stage-1 logits depend on `a` only, stage-2 logits on `b` and the hypothesis."""
+
+    def logits_fn(hypothesis, stage):
+        if stage == 1:
+            return jnp.broadcast_to(a, TARGETS.shape + (VOCAB,))
+        return b * jax.nn.one_hot(hypothesis, VOCAB) + jnp.arange(VOCAB) * 0.01
+
+    return logits_fn
+
+
+def _padir_loss(logits_fn, num_stages=2, remask_stutter=False):
+    noised, mask = noise_targets(jax.random.key(0), TARGETS, vocab_size=VOCAB, first_real_id=6)
+    length_logits = jnp.zeros((3, 5))
+    return losses.padir_loss(logits_fn, TARGETS, noised, mask, length_logits,
+                             num_stages=num_stages, remask_stutter=remask_stutter)
+
+
+def test_no_gradient_through_the_stage_one_argmax():
+    def stage2_loss(a, b):
+        return _padir_loss(_toy_stage_logits(a, b))[1]["loss_stage2"]
+
+    a = jax.random.normal(jax.random.key(1), (VOCAB,))
+    b = jnp.array(2.0)
+    grad_a, grad_b = jax.grad(stage2_loss, argnums=(0, 1))(a, b)
+    # The stage-2 loss does depend on `a` (through the argmax that builds its input)...
+    assert stage2_loss(a, b) != stage2_loss(a.at[7].set(100.0), b)
+    # ...but no gradient flows along that path, while it does flow to stage 2's own params.
+    np.testing.assert_array_equal(grad_a, np.zeros(VOCAB))
+    assert grad_b != 0.0
+
+
+def test_no_gradient_through_the_stage_one_argmax_of_the_real_model():
+    config = ModelConfig(d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                         mlp_dim=32, dropout_rate=0.0, max_source_len=8, max_target_len=5)
+    model = PaDIRModel(config, VOCAB, first_real_id=6)
+    source = jnp.array([[6, 7, EOS_ID], [8, EOS_ID, 0], [9, EOS_ID, 0]])
+    batch = {"source": source, "target": TARGETS}
+    init = jax.jit(model.init)
+    params_1, params_2 = init(jax.random.key(1), batch), init(jax.random.key(2), batch)
+
+    def stage2_loss(stage1_params):
+        """Stage 1 runs with `stage1_params`, stage 2 with the fixed `params_2`."""
+        def logits_fn(hypothesis, stage):
+            params = stage1_params if stage == 1 else params_2
+            encoded, memory_mask = model.encode(params, batch["source"])
+            return model.module.apply({"params": params}, encoded, memory_mask, hypothesis,
+                                      method=model.module.decode)
+        return _padir_loss(logits_fn)[1]["loss_stage2"]
+
+    value_and_grad = jax.jit(jax.value_and_grad(stage2_loss))
+    value_1, grads = value_and_grad(params_1)
+    value_2, _ = value_and_grad(params_2)
+    assert value_1 != value_2  # stage-1 params shape the stage-2 input...
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))  # ...not its gradient
+
+
+def test_stage_weights_objective_and_length_loss():
+    a = jax.random.normal(jax.random.key(1), (VOCAB,))
+    loss, metrics = _padir_loss(_toy_stage_logits(a, jnp.array(2.0)))
+    noised, mask = noise_targets(jax.random.key(0), TARGETS, vocab_size=VOCAB, first_real_id=6)
+    assert metrics["weights"] == np.sum(np.asarray(mask) | np.asarray(TARGETS == EOS_ID))
+    assert metrics["weights_stage2"] == NON_PAD.sum() == metrics["tokens"]
+    # The all-pad row is not an example; uniform length logits cost log(5) each.
+    assert metrics["examples"] == 2
+    np.testing.assert_allclose(metrics["length_loss"], 2 * np.log(5.0), rtol=1e-5)
+    expected = (metrics["loss"] / metrics["weights"]
+                + metrics["loss_stage2"] / metrics["weights_stage2"]
+                + metrics["length_loss"] / metrics["examples"])
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    one_stage_loss, one_stage = _padir_loss(_toy_stage_logits(a, 2.0), num_stages=1)
+    assert "loss_stage2" not in one_stage
+    np.testing.assert_allclose(
+        one_stage_loss, expected - metrics["loss_stage2"] / metrics["weights_stage2"], rtol=1e-5)
+
+
+def test_length_loss_classes_count_eos():
+    # Lengths 4 and 2 are classes 3 and 1.
+    logits = jnp.zeros((3, 5)).at[0, 3].set(50.0).at[1, 1].set(50.0)
+    loss, metrics = losses.length_loss(logits, TARGETS)
+    assert metrics["length_accuracy"] == 2
+    np.testing.assert_allclose(loss, 0.0, atol=1e-5)
+
+
+def test_ar_loss_normalises_per_token():
+    logits = jax.random.normal(jax.random.key(3), TARGETS.shape + (VOCAB,))
+    loss, metrics = losses.ar_loss(logits, TARGETS)
+    assert metrics["weights"] == NON_PAD.sum()
+    np.testing.assert_allclose(loss, metrics["loss"] / metrics["weights"], rtol=1e-6)

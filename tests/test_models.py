@@ -1,0 +1,156 @@
+"""Tests for model/models.py: the shared interface, and tiny models that overfit a few pairs."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from components.config import ModelConfig
+from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
+
+VOCAB = 40
+FIRST_REAL = 6
+CONFIG = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                     mlp_dim=64, dropout_rate=0.0, max_source_len=9, max_target_len=8)
+
+
+def _pairs(count: int, seed: int = 0) -> dict:
+    """Random pairs of real pieces + EOS; targets are 3 to 7 tokens long (with EOS)."""
+    rng = np.random.default_rng(seed)
+    source = np.zeros((count, 8), np.int32)
+    target = np.zeros((count, 8), np.int32)
+    for i in range(count):
+        n, m = rng.integers(2, 8), rng.integers(2, 7)
+        source[i, :n] = rng.integers(FIRST_REAL, VOCAB, n)
+        source[i, n] = EOS_ID
+        target[i, :m] = rng.integers(FIRST_REAL, VOCAB, m)
+        target[i, m] = EOS_ID
+    return {"source": jnp.asarray(source), "target": jnp.asarray(target)}
+
+
+BATCH = _pairs(4)
+
+
+def _train(model, params, steps, *, num_stages=1, learning_rate=3e-3):
+    optimizer = optax.adam(learning_rate)
+
+    @jax.jit
+    def train(params, rng):
+        def step(carry, step_rng):
+            params, opt_state = carry
+            def loss(p):
+                return model.loss_fn(p, BATCH, step_rng, num_stages=num_stages)[0]
+
+            grads = jax.grad(loss)(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), opt_state), None
+
+        carry = (params, optimizer.init(params))
+        return jax.lax.scan(step, carry, jax.random.split(rng, steps))[0][0]
+
+    return train(params, jax.random.key(1))
+
+
+def test_helpers():
+    hypothesis = masked_hypothesis(jnp.array([1, 3]), 4)
+    np.testing.assert_array_equal(hypothesis, [[EOS_ID, 0, 0, 0], [MASK_ID, MASK_ID, EOS_ID, 0]])
+    ids = jnp.array([[7, EOS_ID, 8, EOS_ID], [7, 8, 9, 10]])
+    np.testing.assert_array_equal(truncate_after_eos(ids), [[7, EOS_ID, 0, 0], [7, 8, 9, 10]])
+
+
+@pytest.mark.parametrize("model", [ARModel(CONFIG, VOCAB), PaDIRModel(CONFIG, VOCAB, FIRST_REAL)])
+def test_init_by_shape_and_logical_axes(model):
+    shapes = jax.eval_shape(model.init, jax.random.key(0), BATCH)
+    axes = model.logical_axes(BATCH)
+    assert jax.tree.structure(shapes) == jax.tree.structure(
+        axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for shape, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+            axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        assert len(spec) == len(shape.shape)
+    # The shapes of a real init, without any LogicallyPartitioned box left.
+    params = jax.jit(model.init)(jax.random.key(0), BATCH)
+    assert not any(isinstance(x, nn.LogicallyPartitioned) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))
+    assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, shapes)
+
+
+@pytest.fixture(scope="module")
+def ar_trained():
+    model = ARModel(CONFIG, VOCAB, label_smoothing=0.0)
+    params = _train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
+    return model, params
+
+
+@pytest.fixture(scope="module")
+def padir_trained():
+    model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL, label_smoothing=0.0)
+    params = _train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 300)
+    return model, params
+
+
+def test_ar_overfits_and_decodes_its_targets(ar_trained):
+    model, params = ar_trained
+    loss, metrics = jax.jit(model.loss_fn)(params, BATCH, jax.random.key(2))
+    assert set(metrics) == {"loss", "weights", "tokens", "accuracy"}
+    assert metrics["weights"] == np.sum(np.asarray(BATCH["target"]) != PAD_ID)
+    assert loss < 0.5, loss
+    greedy = jax.jit(model.predict_batch)(params, BATCH)
+    np.testing.assert_array_equal(greedy, BATCH["target"])
+    beam = jax.jit(model.beam_search, static_argnames="beam_size")
+    tokens, scores = beam(params, BATCH, beam_size=1, length_penalty=0.6)
+    np.testing.assert_array_equal(tokens, greedy)  # finished hypotheses: beam 1 is greedy
+    tokens, scores = beam(params, BATCH, beam_size=4, length_penalty=0.6)
+    np.testing.assert_array_equal(tokens, BATCH["target"])
+    assert np.all(np.asarray(scores) <= 0) and np.all(np.asarray(scores) > -0.5)
+
+
+def test_padir_overfits_and_predicts_in_one_pass(padir_trained):
+    model, params = padir_trained
+    loss_fn = jax.jit(model.loss_fn, static_argnames=("num_stages", "remask_stutter"))
+    loss, metrics = loss_fn(params, BATCH, jax.random.key(2))
+    assert metrics["loss"] / metrics["weights"] < 0.5
+    assert metrics["length_accuracy"] == metrics["examples"] == 4
+    assert loss < 0.5, loss
+    prediction = jax.jit(model.predict_batch)(params, BATCH)
+    np.testing.assert_array_equal(prediction, BATCH["target"])
+    # Phase 2: both stages and the re-masking path run and are small on a memorised set.
+    loss, metrics = loss_fn(params, BATCH, jax.random.key(3), num_stages=2, remask_stutter=True)
+    assert {"loss_stage2", "weights_stage2", "accuracy_stage2"} <= set(metrics)
+    assert metrics["loss_stage2"] / metrics["weights_stage2"] < 0.5
+
+
+def test_padir_loss_is_deterministic_under_the_rng(padir_trained):
+    model, params = padir_trained
+    loss_fn = jax.jit(functools.partial(model.loss_fn, deterministic=False))
+    a, _ = loss_fn(params, BATCH, jax.random.key(5))
+    b, _ = loss_fn(params, BATCH, jax.random.key(5))
+    c, _ = loss_fn(params, BATCH, jax.random.key(6))
+    assert a == b and a != c
+
+
+def test_padir_predict_batch_places_eos_at_the_predicted_length(padir_trained):
+    model, params = padir_trained
+
+    @jax.jit
+    def run(params, source):
+        encoded, memory_mask = model.encode(params, source)
+        length_logits = model.length_logits(params, encoded)
+        hypothesis = masked_hypothesis(jnp.argmax(length_logits, -1) + 1, 8)
+        logits = model.decode_logits(params, encoded, memory_mask, hypothesis)
+        # Without a "target" the output is max_target_len wide.
+        prediction = model.predict_batch(params, {"source": source})
+        return encoded, memory_mask, length_logits, logits, prediction
+
+    encoded, memory_mask, length_logits, logits, prediction = run(params, BATCH["source"])
+    assert encoded.shape == (4, 9, CONFIG.d_model) and not np.any(memory_mask[:, 0])
+    assert length_logits.shape == (4, CONFIG.max_target_len)
+    assert logits.shape == (4, 8, VOCAB) and np.all(np.asarray(logits)[..., MASK_ID] < -1e8)
+    assert prediction.shape == (4, CONFIG.max_target_len)
+    for row, n in zip(np.asarray(prediction), np.argmax(length_logits, -1) + 1):
+        assert row[n - 1] == EOS_ID and np.all(row[n:] == PAD_ID)
+        assert np.all(row[: n - 1] != PAD_ID)

@@ -1,0 +1,203 @@
+"""The training engine: schedule, cadence, metrics, one trace per shape, NaN, evaluation,
+and end-to-end runs of the real teacher and student models (tiny configs)."""
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import toy_training as toy
+from components.config import (
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    StudentConfig,
+    TeacherConfig,
+    TrainLoopConfig,
+)
+from model import checkpoints, sharding, train
+
+
+def test_every_fires_on_multiples_and_the_last_step():
+    fired = [s for s in range(1, 12) if train.every(s, 4, last_step=11)]
+    assert fired == [4, 8, 11]
+
+
+@pytest.mark.parametrize("decay", ["rsqrt", "cosine"])
+def test_schedule_warms_up_then_decays(decay):
+    cfg = OptimizerConfig(learning_rate=1e-3, warmup_steps=10, decay=decay)
+    schedule = train.learning_rate_schedule(cfg, total_steps=100)
+    rates = [float(schedule(c)) for c in range(100)]  # count c: the rate of update c + 1
+    assert rates[0] == pytest.approx(1e-4)
+    assert rates[9] == pytest.approx(1e-3)  # peak at the end of warmup
+    assert all(a <= b for a, b in zip(rates[:9], rates[1:10]))
+    assert all(a >= b for a, b in zip(rates[9:], rates[10:]))
+    if decay == "rsqrt":
+        assert rates[39] == pytest.approx(1e-3 * math.sqrt(10 / 40))
+    else:
+        assert rates[99] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_summarize_follows_the_losses_conventions():
+    sums = {"loss": 6.0, "weights": 3.0, "accuracy": 2.0, "loss_stage2": 8.0,
+            "weights_stage2": 4.0, "tokens": 5.0, "length_accuracy": 1.0, "examples": 2.0,
+            "objective": 4.0, "grad_norm": 2.0}
+    out = train.summarize(sums, steps=2)
+    assert out["loss"] == 2.0 and out["accuracy"] == pytest.approx(2 / 3)
+    assert out["loss_stage2"] == 2.0 and out["length_accuracy"] == 0.5
+    assert out["objective"] == 2.0 and out["grad_norm"] == 1.0
+    assert out["tokens"] == 5.0 and out["examples"] == 2.0
+
+
+def test_train_step_traces_once_across_steps():
+    model = toy.ToyModel()
+    tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
+    placement = train.place(model, tx, MeshConfig())
+    state = placement.create_state(seed=0)
+    steps = train.compile_steps(model, tx, placement.state_shardings,
+                                placement.batch_sharding, num_stages=1,
+                                remask_stutter=False)
+    before = toy.TRACES["loss_fn"]
+    for position in range(4):
+        batch = sharding.shard_batch(toy.make_batch(0, position, 8),
+                                     placement.batch_sharding)
+        state, _ = steps.train(state, batch)
+    assert toy.TRACES["loss_fn"] - before == 1
+    assert steps.train._cache_size() == 1
+    assert int(state.step) == 4
+
+
+class NaNModel(toy.ToyModel):
+    """The toy model whose loss is NaN on any batch holding token 5."""
+
+    def loss_fn(self, params, batch, rng, **kwargs):
+        loss, metrics = super().loss_fn(params, batch, rng, **kwargs)
+        poisoned = jax.numpy.any(batch["source"] == 5)
+        return jax.numpy.where(poisoned, jax.numpy.nan, loss), metrics
+
+
+def test_nan_loss_fails_fast_naming_the_step(tmp_path):
+    clean = toy.make_batches(seed=0, batch_size=8)
+
+    def batches(start):
+        for position, batch in clean(start):
+            if position == 4:  # the 4th batch: step 4
+                batch["source"][0, 0] = 5
+            yield position, batch
+
+    with pytest.raises(train.NonFiniteLossError, match="at step 4"):
+        train.train(
+            NaNModel(), batches, None, num_steps=20, optimizer=toy.OPTIMIZER,
+            loop=dataclasses.replace(toy.LOOP, checkpoint_every=3), mesh=MeshConfig(),
+            checkpoint_dir=str(tmp_path / "ckpt"), seed=0,
+        )
+    # The step-3 checkpoint was written before the NaN; nothing after it.
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["3"]
+
+
+def _detokenize(ids):
+    return " ".join(f"w{i}" for i in ids)
+
+
+def _references(dev):
+    refs = []
+    for batch in dev:
+        for source, target in zip(batch["source"], batch["target"]):
+            if source.any():  # all-pad rows are padding
+                ids = target.tolist()
+                refs.append(_detokenize(ids[: ids.index(1)]))
+    return refs
+
+
+def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
+    dev = toy.dev_batches()
+    dev[-1]["source"][-2:] = 0  # two padding rows: no references for them
+    dev[-1]["target"][-2:] = 0
+    references = _references(dev)
+    assert len(references) == 14
+    loop = TrainLoopConfig(batch_size=8, log_every=2, eval_every=3, checkpoint_every=100,
+                           keep_checkpoints=1, best_metric="bleu")
+    result = train.train(
+        toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
+        optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
+        checkpoint_dir=str(tmp_path / "ckpt"), seed=0, log_dir=str(tmp_path / "tb"),
+        detokenize=_detokenize, references=references,
+    )
+    metrics = result.dev_metrics
+    assert result.completed and set(metrics) >= {"loss", "accuracy", "bleu", "tokens"}
+    assert 0.0 <= metrics["bleu"] <= 100.0 and 0.0 <= metrics["accuracy"] <= 1.0
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    manager = checkpoints.open_manager(str(tmp_path / "ckpt"), keep=1, best_metric="bleu",
+                                       read_only=True)
+    steps, best = sorted(manager.all_steps()), manager.best_step()
+    manager.close()
+    # evaluated at 3, 6, 7: the latest (7) and the best by dev BLEU are kept
+    assert 7 in steps and best in steps and set(steps) <= {3, 6, 7}
+
+
+def test_time_budget_checkpoints_and_stops(tmp_path):
+    result = train.train(
+        toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), None, num_steps=50,
+        optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
+        checkpoint_dir=str(tmp_path / "ckpt"), seed=0, deadline=time.monotonic(),
+    )
+    assert not result.completed and result.stop_reason == "time budget"
+    assert int(result.state.step) == 1 and result.position == 1
+    assert (tmp_path / "ckpt" / "1").is_dir()
+
+
+def test_bleu_needs_references():
+    with pytest.raises(ValueError, match="references"):
+        train.train(
+            toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), toy.dev_batches(),
+            num_steps=1, optimizer=toy.OPTIMIZER,
+            loop=dataclasses.replace(toy.LOOP, best_metric="bleu"), mesh=MeshConfig(),
+            checkpoint_dir="/nonexistent", seed=0,
+        )
+
+
+# --- the real models ----------------------------------------------------------------------
+
+TINY = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                   mlp_dim=64, max_source_len=toy.LENGTH + 2, max_target_len=toy.LENGTH)
+TINY_LOOP = TrainLoopConfig(batch_size=8, log_every=2, eval_every=2, checkpoint_every=2,
+                            keep_checkpoints=1, best_metric="loss")
+
+
+def test_teacher_trains_with_the_real_ar_model(tmp_path):
+    from model.models import ARModel
+
+    cfg = TeacherConfig(model=TINY, optimizer=toy.OPTIMIZER, loop=TINY_LOOP, steps=3,
+                        label_smoothing=0.1)
+    dev = toy.dev_batches()
+    result = train.train_teacher(
+        ARModel(cfg.model, toy.VOCAB, label_smoothing=cfg.label_smoothing),
+        toy.make_batches(seed=0, batch_size=8), dev, cfg, MeshConfig(),
+        checkpoint_dir=str(tmp_path / "teacher"), seed=0,
+        detokenize=_detokenize, references=_references(dev),
+    )
+    assert result.completed and int(result.state.step) == 3
+    assert np.isfinite(result.dev_metrics["loss"]) and "bleu" in result.dev_metrics
+
+
+def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
+    from model.models import PaDIRModel
+
+    cfg = StudentConfig(model=TINY, optimizer=toy.OPTIMIZER, loop=TINY_LOOP, phase1_steps=2,
+                        phase2_steps=2, num_stages=2, remask_stutter=True)
+    model = PaDIRModel(cfg.model, toy.VOCAB, first_real_id=6,
+                       label_smoothing=cfg.label_smoothing)
+    result = train.train_student(
+        model, toy.make_batches(seed=0, batch_size=8), toy.dev_batches(), cfg, MeshConfig(),
+        checkpoint_dir=str(tmp_path / "student"), seed=0,
+    )
+    assert result.completed and int(result.state.step) == 2
+    # phase 2 continued phase 1's data stream: positions 3, 4 after phase 1's 1, 2
+    assert result.position == 4
+    assert {"loss_stage2", "length_accuracy"} <= set(result.dev_metrics)
+    assert os.path.isdir(tmp_path / "student" / "phase1" / "2")
+    assert os.path.isdir(tmp_path / "student" / "phase2" / "2")
