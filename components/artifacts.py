@@ -33,6 +33,10 @@ class IncompleteArtifactError(FileNotFoundError):
     """An input artifact is missing or was never completed (no manifest)."""
 
 
+class StageStopped(RuntimeError):
+    """A stage stopped early on request (SIGTERM); its partial work is kept to resume from."""
+
+
 def join(base: str, *parts: str) -> str:
     """Joins URL-or-path components with '/', keeping the scheme of `base`."""
     return posixpath.join(base.rstrip("/"), *parts)
@@ -112,6 +116,7 @@ def write(
     config: Mapping[str, Any],
     config_yaml: str = "",
     inputs: Mapping[str, str],
+    resumable: bool = False,
 ) -> Iterator[PendingArtifact]:
     """Context manager that publishes a stage's output atomically (see module docstring).
 
@@ -119,9 +124,14 @@ def write(
       config: the stage's resolved config sections, recorded in the manifest.
       config_yaml: the whole resolved experiment config, written as config.yaml.
       inputs: stage name -> URI of each input artifact.
+      resumable: work in `<stage>/.partial-<key>/`, kept when the stage fails or is
+        stopped, so that a rerun resumes from what it holds (training checkpoints).
+        It is still never read by another stage: it has no manifest and is not at the
+        final location.
     """
     final_uri = location(workdir, stage, key)
-    tmp_uri = join(workdir, stage, f".tmp-{key}-{uuid.uuid4().hex[:8]}")
+    suffix = "" if resumable else f"-{uuid.uuid4().hex[:8]}"
+    tmp_uri = join(workdir, stage, f".{'partial' if resumable else 'tmp'}-{key}{suffix}")
     fs, tmp_path = filesystem(tmp_uri)
     fs.makedirs(tmp_path, exist_ok=True)
     pending = PendingArtifact(stage=stage, key=key, tmp_uri=tmp_uri)
@@ -148,6 +158,6 @@ def write(
         with fs.open(join(final_path, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2, sort_keys=True)
     except BaseException:
-        if fs.exists(tmp_path):
+        if not resumable and fs.exists(tmp_path):
             fs.rm(tmp_path, recursive=True)
         raise

@@ -240,7 +240,8 @@ class TrainLoopConfig:
     by `best_metric` can be kept besides the latest `keep_checkpoints`.
     """
 
-    batch_size: int = 128  # sentence pairs per step, global (all devices and hosts)
+    tokens_per_batch: int = 4096  # padded tokens per side per step, global (all devices and
+    # hosts); each length bucket gets tokens_per_batch // boundary rows
     log_every: int = 100
     eval_every: int = 1000  # dev loss, token accuracy and BLEU
     checkpoint_every: int = 1000
@@ -249,8 +250,8 @@ class TrainLoopConfig:
     max_minutes: Optional[float] = None  # wall budget of one invocation: checkpoint, then stop
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.keep_checkpoints < 1:
-            raise ConfigError("loop: batch_size and keep_checkpoints must be >= 1")
+        if self.tokens_per_batch < 1 or self.keep_checkpoints < 1:
+            raise ConfigError("loop: tokens_per_batch and keep_checkpoints must be >= 1")
         if min(self.log_every, self.eval_every, self.checkpoint_every) < 1:
             raise ConfigError("loop: log_every, eval_every and checkpoint_every must be >= 1")
         if self.max_minutes is not None and self.max_minutes <= 0:
@@ -348,7 +349,7 @@ class BeamConfig:
 class Config:
     """A whole experiment."""
 
-    workdir: str = "work"
+    workdir: str = "work"  # local (made absolute, relative to the current directory) or gs://
     seed: int = 0
     beam: BeamConfig = BeamConfig()
     data: DataConfig = DataConfig()
@@ -360,11 +361,20 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):
+        if "://" not in self.workdir:  # local: absolute, so artifacts and checkpoints are too
+            object.__setattr__(self, "workdir", os.path.abspath(self.workdir))
         self.data.train.validate("data.train")
         if self.data.dev is not None:
             self.data.dev.validate("data.dev")
         for i, test_set in enumerate(self.data.test):
             test_set.corpus.validate(f"data.test[{i}]")
+        widest = self.encode.bucket_boundaries[-1]  # batches are padded to a boundary
+        for name in ("teacher", "train"):
+            model = self.section(name).model
+            if min(model.max_source_len, model.max_target_len) < widest:
+                raise ConfigError(
+                    f"{name}.model.max_source_len and max_target_len must be >= the widest "
+                    f"bucket, encode.bucket_boundaries[-1] = {widest}")
 
     def section(self, name: str) -> Any:
         return getattr(self, name)

@@ -23,6 +23,8 @@ STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(sections=("data", "prepare", "seed"), inputs=()),
     "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",)),
     "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab")),
+    "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode")),
+    "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode")),
 }
 
 

@@ -15,18 +15,31 @@ from components.corpus import CorpusError
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
 
-# Stage name -> module whose `run(config, beam_args)` computes it (imported on use: heavy).
-STAGE_MODULES = {
-    "prepare": "pipelines.prepare",
-    "vocab": "pipelines.vocab",
-    "encode": "pipelines.encode",
+# Stage name -> "module:function" that computes it (imported on use: heavy). Beam stages'
+# functions take `(config, beam_args)`, the training stages' just `(config)`.
+BEAM_STAGES = {
+    "prepare": "pipelines.prepare:run",
+    "vocab": "pipelines.vocab:run",
+    "encode": "pipelines.encode:run",
 }
+TRAINING_STAGES = {
+    "teacher": "model.stages:run_teacher",
+    "train": "model.stages:run_student",
+}
+
+
+def _load(target: str):
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def run_stage(name: str, config: config_lib.Config, beam_args: Sequence[str] = ()):
     """Recomputes one stage from its (complete) inputs and returns its artifact."""
-    module = importlib.import_module(STAGE_MODULES[name])
-    return module.run(config, beam_args=beam_args)
+    if name in BEAM_STAGES:
+        return _load(BEAM_STAGES[name])(config, beam_args=beam_args)
+    if beam_args:
+        raise config_lib.ConfigError(f"stage {name} is not a Beam job: unexpected {beam_args}")
+    return _load(TRAINING_STAGES[name])(config)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
-    stage.add_argument("name", choices=sorted(STAGE_MODULES))
+    stage.add_argument("name", choices=[*BEAM_STAGES, *TRAINING_STAGES])
     _add_config_args(stage)
     return parser
 
@@ -49,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
     try:
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
@@ -56,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{args.name}: {artifact.uri}")
     except USER_ERRORS as e:
         parser.exit(2, f"padir: error: {e}\n")
+    except artifacts.StageStopped as e:
+        parser.exit(3, f"padir: {e}\n")
     return 0
 
 

@@ -188,7 +188,8 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optio
                 raise CheckpointError(f"step mismatch: data says {data['step']}")
             if got != data["fingerprint"]:
                 raise CheckpointError(
-                    f"array contents do not match their fingerprint ({got} != {data['fingerprint']})"
+                    f"array contents do not match their fingerprint "
+                    f"({got} != {data['fingerprint']})"
                 )
         except Exception as e:  # noqa: BLE001 - any failure to read means: use an older step
             log.error(

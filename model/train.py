@@ -11,7 +11,7 @@ position, so a resumed run continues bit for bit where the interrupted one stopp
 
 Data contract: `batches(start_position)` returns an iterator of `(position_after, batch)`,
 where `batch` is this process's slice of a global batch, a dict of numpy arrays
-`{"source": int32[B, S], "target": int32[B, T]}` (B = batch_size / process_count), and
+`{"source": int32[B, S], "target": int32[B, T]}` (B = global rows / process_count), and
 `position_after` resumes the stream right after that batch. Dev batches follow the same
 layout; a row whose source is all PAD is padding (it fills the last batch to a static
 shape) and has no reference.
@@ -189,6 +189,9 @@ def compile_steps(
     num_stages: int,
     remask_stutter: bool,
 ) -> CompiledSteps:
+    """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` with explicit
+    shardings: state as laid out, batches split over their mesh axes, metrics replicated.
+    Each compiles once per distinct batch shape (one per length bucket)."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     loss_options = dict(num_stages=num_stages, remask_stutter=remask_stutter)
     jit_train_step = jax.jit(
@@ -431,7 +434,6 @@ def train(
         raise ValueError("give both references and detokenize, or neither")
     tx, schedule = make_optimizer(optimizer, num_steps)
     placement = place(model, tx, mesh, devices)
-    sharding.check_batch_size(loop.batch_size, placement.batch_sharding, "loop.batch_size")
     for i, batch in enumerate(dev_batches or ()):
         local_rows = len(batch["source"])
         sharding.check_batch_size(

@@ -195,7 +195,7 @@ class DecoderLayer(nn.Module):
             # Where to read from is decided by position alone; what is read is the tokens.
             q = _rms_norm(cfg, "positional_query_norm")(positions)
             h = _rms_norm(cfg, "pre_positional_attention_norm")(x)
-            h = _attention(cfg, "positional_attention")(q, q, h, mask=self_mask)
+            h = _attention(cfg, "positional_attention")(q, inputs_k=q, inputs_v=h, mask=self_mask)
             x = x + dropout(h, deterministic=deterministic)
         h = _rms_norm(cfg, "pre_cross_attention_norm")(x)
         h = _attention(cfg, "cross_attention")(h, encoded, mask=cross_mask)

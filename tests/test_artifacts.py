@@ -113,3 +113,20 @@ def test_forced_rerun_replaces_the_old_output(workdir):
 def test_join_keeps_the_scheme():
     assert artifacts.join("gs://bucket/work/", "prepare", "k") == "gs://bucket/work/prepare/k"
     assert artifacts.location("/w", "vocab", "k") == "/w/vocab/k"
+
+
+def test_resumable_work_survives_a_failure_and_is_reused(workdir):
+    with pytest.raises(RuntimeError):
+        with artifacts.write(workdir, "teacher", "k", config={}, inputs={},
+                             resumable=True) as out:
+            _put(out.path("checkpoints", "100"), "step 100")
+            raise RuntimeError("preempted")
+    assert not artifacts.is_complete(artifacts.location(workdir, "teacher", "k"))
+    with pytest.raises(artifacts.IncompleteArtifactError):
+        artifacts.require(workdir, "teacher", "k")
+    with artifacts.write(workdir, "teacher", "k", config={}, inputs={}, resumable=True) as out:
+        with fsspec.open(out.path("checkpoints", "100"), "r") as f:
+            assert f.read() == "step 100"  # the rerun sees the earlier run's work
+    artifact = artifacts.require(workdir, "teacher", "k")
+    assert _names(artifacts.join(workdir, "teacher")) == ["k"]
+    assert _names(artifact.path("checkpoints")) == ["100"]

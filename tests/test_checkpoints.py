@@ -124,7 +124,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrup
 
     with caplog.at_level(logging.INFO, logger="model"):
         result = train.train(
-            toy.ToyModel(), toy.make_batches(seed=0, batch_size=toy.LOOP.batch_size), None,
+            toy.ToyModel(), toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE), None,
             num_steps=STEPS, optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
             checkpoint_dir=str(workdir), seed=0,
         )
@@ -205,7 +205,7 @@ from model import checkpoints, train
 assert jax.device_count() == 8
 tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
 loop = toy.LOOP
-batches = toy.make_batches(seed=0, batch_size=loop.batch_size)
+batches = toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE)
 saved = train.train(toy.ToyModel(), batches, None, num_steps=5, optimizer=toy.OPTIMIZER,
                     loop=loop, mesh=MeshConfig(data=4, fsdp=2), checkpoint_dir={dir!r}, seed=0)
 embed = saved.state.params["embed"]

@@ -119,7 +119,7 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
     dev[-1]["target"][-2:] = 0
     references = _references(dev)
     assert len(references) == 14
-    loop = TrainLoopConfig(batch_size=8, log_every=2, eval_every=3, checkpoint_every=100,
+    loop = TrainLoopConfig(log_every=2, eval_every=3, checkpoint_every=100,
                            keep_checkpoints=1, best_metric="bleu")
     result = train.train(
         toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
@@ -164,7 +164,7 @@ def test_bleu_needs_references():
 
 TINY = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
                    mlp_dim=64, max_source_len=toy.LENGTH + 2, max_target_len=toy.LENGTH)
-TINY_LOOP = TrainLoopConfig(batch_size=8, log_every=2, eval_every=2, checkpoint_every=2,
+TINY_LOOP = TrainLoopConfig(log_every=2, eval_every=2, checkpoint_every=2,
                             keep_checkpoints=1, best_metric="loss")
 
 

@@ -173,8 +173,9 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
     }
 
 
+BATCH_SIZE = 8
 LOOP = TrainLoopConfig(
-    batch_size=8, log_every=5, eval_every=1000, checkpoint_every=5, keep_checkpoints=3,
+    log_every=5, eval_every=1000, checkpoint_every=5, keep_checkpoints=3,
     best_metric="loss",
 )
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
 
     from model import train
 
-    batches = make_batches(seed=0, batch_size=LOOP.batch_size, sleep=args.sleep)
+    batches = make_batches(seed=0, batch_size=BATCH_SIZE, sleep=args.sleep)
     if args.progress_file:
         batches = with_progress(batches, args.progress_file)
     result = train.train(

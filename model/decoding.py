@@ -1,0 +1,602 @@
+"""Non-autoregressive decoders for the PaDIR student (jitted, static shapes, batched).
+
+Three decoders over the same model callbacks, each a pure function with an explicit state
+struct carried through `lax.while_loop` (flax wmt decode.py style):
+
+    result = refine(model, params, source, num_length_candidates=3,
+                    length_offsets=(-1, 0, 1), max_iterations=4, init="mask")
+    result = mask_predict(model, params, source, num_length_candidates=3,
+                          length_offsets=(0,), iterations=10)
+    result = adaptive(model, params, source, num_length_candidates=3,
+                      length_offsets=(0,), tokens_per_step=2, criterion="margin")
+    result.tokens, result.scores, result.passes, result.lengths
+
+The model is anything with the `NARModel` protocol (`PaDIRModel` has it); tests plug in
+oracles whose logits do not depend on a network.
+
+Shapes: B sentences, C = num_length_candidates * len(length_offsets) candidates per
+sentence, N = B * C flattened rows (row b * C + c is candidate c of sentence b), T output
+width (`max_len`, default `model.config.max_target_len`), V vocabulary.
+
+Definitions shared by the three decoders:
+
+* **Candidate lengths** (counting EOS): the `num_length_candidates` most likely length
+  classes among the feasible ones (lengths 2..T: at least one token before EOS), each
+  plus every offset, clipped to [2, T]. Clipping can make two candidates equal; they are
+  decoded anyway (static shapes), and ties in score go to the first.
+* **Layout**: for a candidate of length L, positions 0..L-2 hold tokens ("content"),
+  position L-1 holds EOS, positions >= L hold PAD, in every hypothesis and in the output.
+* **Distribution**: the logits are restricted to target ids (`mask_non_target_ids`: never
+  PAD, BOS, MASK, LENGTH); probabilities are the softmax over them.
+* **Output tokens** at content positions are real pieces only (ids >= NUM_RESERVED: never
+  EOS or UNK inside a sentence), so a decoded row is `pieces..., EOS, PAD...`.
+* **Score** of a candidate: the mean over its L positions (content and EOS) of the
+  log-probability of the output token; for refinement under the row's final pass, for
+  Mask-Predict and adaptive order when the token was (last) predicted, EOS's under the
+  row's last pass. The candidate with the best score is returned for each sentence.
+* **Passes** per sentence: the maximum over its candidates (they run together as one
+  batch, so a sentence costs what its slowest candidate costs).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Literal, Protocol
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED
+from model.models import masked_hypothesis
+from model.transformer import mask_non_target_ids
+
+Params = Any
+LogitsFn = Callable[[jax.Array], jax.Array]
+
+MIN_LENGTH = 2  # counting EOS: a candidate has at least one token
+INITS = ("mask", "random")
+CRITERIA = ("top_prob", "margin")
+
+
+class NARModel(Protocol):
+    """What the decoders need from a model (`PaDIRModel` has it).
+
+    `config.max_target_len` is the number of length classes; `encode` may return any
+    pytree whose leaves have B rows first (the decoders repeat each row C times).
+    """
+
+    config: Any  # .max_target_len
+    vocab_size: int
+    first_real_id: int
+
+    def encode(self, params: Params, source: jax.Array) -> tuple[Any, jax.Array]:
+        """source int32[B, S] -> (encoded, memory_mask), leaves with B rows first."""
+
+    def length_logits(self, params: Params, encoded: Any) -> jax.Array:
+        """float32[B, max_target_len]; class c is a length of c + 1 counting EOS."""
+
+    def decode_logits(
+        self, params: Params, encoded: Any, memory_mask: jax.Array, hypothesis: jax.Array
+    ) -> jax.Array:
+        """One decoder pass: hypothesis int32[N, T] -> logits float32[N, T, V]."""
+
+
+@flax.struct.dataclass
+class DecodeResult:
+    """The chosen candidate of each sentence."""
+
+    tokens: jax.Array  # int32[B, T]: real pieces, EOS at lengths - 1, PAD after
+    scores: jax.Array  # float32[B]: mean log-probability over the L tokens (EOS included)
+    passes: jax.Array  # int32[B]: decoder passes (see each decoder for the count)
+    lengths: jax.Array  # int32[B]: chosen length, counting EOS
+
+
+# --- shared pieces ------------------------------------------------------------------
+
+
+def candidate_lengths(
+    length_logits: jax.Array, num_candidates: int, offsets: tuple[int, ...], max_len: int
+) -> jax.Array:
+    """The candidate lengths of each sentence (see the module docstring).
+
+    Args:
+      length_logits: float[B, K]; class c is a length of c + 1 counting EOS.
+      num_candidates: k, how many of the most likely feasible classes to take.
+      offsets: added to each of them, e.g. (-1, 0, 1).
+      max_len: T, the longest length that fits the output.
+
+    Returns:
+      int32[B, k * len(offsets)]: candidate i * len(offsets) + j is the i-th most likely
+      length plus offsets[j], clipped to [MIN_LENGTH, T].
+    """
+    lengths = jnp.arange(1, length_logits.shape[-1] + 1)  # [K]
+    feasible = (lengths >= MIN_LENGTH) & (lengths <= max_len)  # [K]
+    logits = jnp.where(feasible, length_logits.astype(jnp.float32), -jnp.inf)  # [B, K]
+    _, top = jax.lax.top_k(logits, num_candidates)  # [B, k]
+    lengths = (top + 1)[:, :, None] + jnp.asarray(offsets, jnp.int32)  # [B, k, O]
+    lengths = jnp.clip(lengths, MIN_LENGTH, max_len)  # [B, k, O]
+    return lengths.reshape(lengths.shape[0], -1).astype(jnp.int32)  # [B, C]
+
+
+def _layout(lengths: jax.Array, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """lengths int32[N] -> (content, eos, valid) bool[N, T]."""
+    positions = jnp.arange(max_len)[None, :]  # [1, T]
+    eos_at = (lengths - 1)[:, None]  # [N, 1]
+    return positions < eos_at, positions == eos_at, positions <= eos_at
+
+
+def _log_probs(logits: jax.Array) -> jax.Array:
+    """float[N, T, V] -> float32[N, T, V], log-softmax over target ids only."""
+    return jax.nn.log_softmax(mask_non_target_ids(logits.astype(jnp.float32)), axis=-1)
+
+
+def _best_real(log_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The most likely real piece (id >= NUM_RESERVED) and its log-probability.
+
+    float32[N, T, V] -> (int32[N, T], float32[N, T]).
+    """
+    real = log_probs[..., NUM_RESERVED:]  # [N, T, V - NUM_RESERVED]
+    index = jnp.argmax(real, axis=-1)  # [N, T]
+    best = jnp.take_along_axis(real, index[..., None], axis=-1)[..., 0]  # [N, T]
+    return (index + NUM_RESERVED).astype(jnp.int32), best
+
+
+def _gather(log_probs: jax.Array, tokens: jax.Array) -> jax.Array:
+    """float32[N, T, V], int32[N, T] -> float32[N, T]: the log-probability of each token."""
+    return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
+
+
+def _prepare(
+    model: NARModel,
+    params: Params,
+    source: jax.Array,
+    num_length_candidates: int,
+    length_offsets: tuple[int, ...],
+    max_len: int,
+) -> tuple[LogitsFn, jax.Array]:
+    """Encodes once, picks candidate lengths, repeats the encoding per candidate.
+
+    Returns (logits_fn: int32[N, T] -> float[N, T, V], lengths int32[N]).
+    """
+    encoded, memory_mask = model.encode(params, source)  # leaves [B, ...]
+    lengths = candidate_lengths(
+        model.length_logits(params, encoded), num_length_candidates, length_offsets, max_len
+    )  # [B, C]
+    repeats = lengths.shape[1]
+    encoded, memory_mask = jax.tree.map(
+        lambda x: jnp.repeat(x, repeats, axis=0), (encoded, memory_mask)
+    )  # leaves [N, ...]
+
+    def logits_fn(hypothesis: jax.Array) -> jax.Array:
+        return model.decode_logits(params, encoded, memory_mask, hypothesis)  # [N, T, V]
+
+    return logits_fn, lengths.reshape(-1)  # [N]
+
+
+def _choose(
+    tokens: jax.Array,
+    token_log_probs: jax.Array,
+    passes: jax.Array,
+    lengths: jax.Array,
+    batch_size: int,
+) -> DecodeResult:
+    """Scores the N candidates and keeps the best one per sentence.
+
+    tokens int32[N, T], token_log_probs float32[N, T] (0 where not counted), passes and
+    lengths int32[N] -> DecodeResult of B rows.
+    """
+    _, _, valid = _layout(lengths, tokens.shape[1])  # [N, T]
+    total = jnp.sum(jnp.where(valid, token_log_probs, 0.0), axis=1)  # [N]
+    scores = (total / lengths).reshape(batch_size, -1)  # [B, C]
+    best = jnp.argmax(scores, axis=1)  # [B]
+
+    def pick(x: jax.Array) -> jax.Array:  # [N, ...] -> [B, ...], the best candidate's
+        split = x.reshape((batch_size, scores.shape[1]) + x.shape[1:])  # [B, C, ...]
+        index = best.reshape((batch_size, 1) + (1,) * (x.ndim - 1))  # [B, 1, ...]
+        return jnp.take_along_axis(split, index, axis=1)[:, 0]
+
+    return DecodeResult(
+        tokens=pick(tokens),  # [B, T]
+        scores=pick(scores.reshape(-1)),  # [B]
+        passes=jnp.max(passes.reshape(batch_size, -1), axis=1).astype(jnp.int32),  # [B]
+        lengths=pick(lengths),  # [B]
+    )
+
+
+def _check_common(model: NARModel, num_length_candidates: int, max_len: int | None) -> int:
+    """Validates the arguments every decoder takes; returns the output width T."""
+    max_len = model.config.max_target_len if max_len is None else max_len
+    if not MIN_LENGTH <= max_len <= model.config.max_target_len:
+        raise ValueError(
+            f"max_len {max_len} outside [{MIN_LENGTH}, {model.config.max_target_len}]")
+    feasible = max_len - MIN_LENGTH + 1  # lengths MIN_LENGTH..T
+    if not 1 <= num_length_candidates <= feasible:
+        raise ValueError(f"num_length_candidates {num_length_candidates} outside [1, {feasible}]")
+    return max_len
+
+
+# --- PaDIR refinement ---------------------------------------------------------------
+
+
+def accept_predictions(
+    predictions: jax.Array, initial: jax.Array, content: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The next refinement input: accepted predictions, the initial token elsewhere.
+
+    A prediction at a content position is *rejected* if it is a reserved id
+    (< NUM_RESERVED: EOS or UNK inside the sentence; PAD and the control ids cannot win
+    the masked argmax, but would be rejected too), and *stutters* if it equals the
+    prediction at the position to its left (so "a a a" keeps the first "a" only).
+    Rejected and stuttering positions go back to their initial token: [MASK] with
+    `init="mask"`, i.e. exactly the stutter re-masking of the stage-2 training input
+    (`losses.next_stage_input`), or the same random piece with `init="random"`. EOS and
+    PAD positions always keep their initial token.
+
+    Args:
+      predictions: int32[N, T], the argmax over target ids of the last pass.
+      initial: int32[N, T], the initial hypothesis (initial tokens, EOS, PAD).
+      content: bool[N, T], the positions before EOS.
+
+    Returns:
+      (hypothesis int32[N, T], accepted bool[N, T]).
+    """
+    left = jnp.pad(predictions[:, :-1], ((0, 0), (1, 0)), constant_values=-1)  # [N, T]
+    rejected = predictions < NUM_RESERVED  # [N, T]
+    stutter = predictions == left  # [N, T]
+    accepted = content & ~rejected & ~stutter  # [N, T]
+    return jnp.where(accepted, predictions, initial), accepted
+
+
+@flax.struct.dataclass
+class RefineState:
+    """The loop state of `refine`."""
+
+    step: jax.Array  # int32[]: passes run so far (on the whole batch)
+    hypothesis: jax.Array  # int32[N, T]: the next pass's input
+    tokens: jax.Array  # int32[N, T]: the output of the row's last pass
+    token_log_probs: jax.Array  # float32[N, T]: of `tokens` under that pass
+    passes: jax.Array  # int32[N]: counted passes (see `refine`)
+    converged: jax.Array  # bool[N]
+
+
+def refine_loop(
+    logits_fn: LogitsFn, initial: jax.Array, lengths: jax.Array, max_iterations: int
+) -> RefineState:
+    """Runs refinement passes on N rows until each is converged or T passes have run.
+
+    Args:
+      logits_fn: hypothesis int32[N, T] -> logits float[N, T, V].
+      initial: int32[N, T], the initial hypothesis (initial tokens, EOS, PAD).
+      lengths: int32[N], counting EOS (consistent with `initial`).
+      max_iterations: the most passes.
+
+    Returns:
+      The final RefineState (see `refine` for the definitions).
+    """
+    num_rows, max_len = initial.shape
+    content, _, valid = _layout(lengths, max_len)  # [N, T] each
+
+    def cond(state: RefineState) -> jax.Array:
+        return (state.step < max_iterations) & ~jnp.all(state.converged)
+
+    def body(state: RefineState) -> RefineState:
+        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
+        predictions = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # [N, T]
+        hypothesis, _ = accept_predictions(predictions, initial, content)  # [N, T]
+        fill, _ = _best_real(log_probs)  # [N, T]
+        tokens = jnp.where(content, fill, initial)  # [N, T]: pieces, EOS, PAD
+        token_log_probs = jnp.where(valid, _gather(log_probs, tokens), 0.0)  # [N, T]
+
+        active = ~state.converged  # [N]
+        changed = jnp.any(hypothesis != state.hypothesis, axis=1)  # [N]
+        # The pass that confirms a fixed point is not counted; the first pass always is.
+        counted = active & (changed | (state.step == 0))  # [N]
+        keep = active[:, None]  # [N, 1]
+        return RefineState(
+            step=state.step + 1,
+            hypothesis=jnp.where(keep, hypothesis, state.hypothesis),  # [N, T]
+            tokens=jnp.where(keep, tokens, state.tokens),  # [N, T]
+            token_log_probs=jnp.where(keep, token_log_probs, state.token_log_probs),  # [N, T]
+            passes=state.passes + counted.astype(jnp.int32),  # [N]
+            converged=state.converged | (active & ~changed),  # [N]
+        )
+
+    state = RefineState(
+        step=jnp.array(0, jnp.int32),
+        hypothesis=initial,  # [N, T]
+        tokens=initial,  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+        passes=jnp.zeros((num_rows,), jnp.int32),  # [N]
+        converged=jnp.zeros((num_rows,), bool),  # [N]
+    )
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model", "num_length_candidates", "length_offsets", "max_iterations", "init", "max_len",
+    ),
+)
+def refine(
+    model: NARModel,
+    params: Params,
+    source: jax.Array,
+    *,
+    num_length_candidates: int,
+    length_offsets: tuple[int, ...],
+    max_iterations: int,
+    init: Literal["mask", "random"] = "mask",
+    rng: jax.Array | None = None,
+    max_len: int | None = None,
+) -> DecodeResult:
+    """PaDIR decoding by parallel iterative refinement.
+
+    Each candidate starts from [MASK] (`init="mask"`) or uniformly random real pieces
+    from [first_real_id, vocab_size) (`init="random"`, needs `rng`) before its EOS. Each
+    iteration is one decoder pass that re-predicts every position (argmax over target
+    ids); the next input keeps the accepted predictions and puts the initial token back
+    where a prediction was rejected or stuttered (`accept_predictions`). EOS stays at the
+    candidate length.
+
+    Convergence is per row: a row whose pass leaves its hypothesis unchanged (a fixed
+    point) is converged and frozen while the other rows go on; the loop stops when all
+    rows are converged or after `max_iterations` passes.
+
+    Output: the row's last pass's most likely real piece at every content position (where
+    the prediction was accepted this is the prediction itself; where it was rejected or
+    stuttered it is the best real piece, so the output holds no reserved id), EOS, PAD.
+
+    Passes: per row, the passes that changed the hypothesis, and the first pass in any
+    case; the confirming pass (the one that left the row unchanged) is not counted. So a
+    row whose first pass produces a fixed point (an oracle) counts 1 pass; a row that
+    never converges counts `max_iterations`. The passes run for a row are its count plus
+    one if it converged before `max_iterations`. Per sentence: the maximum over its
+    candidates.
+
+    Args:
+      model: a `NARModel` (hashable: static under jit).
+      params: the model's parameters.
+      source: int32[B, S] ids + EOS, 0-padded.
+      num_length_candidates: k most likely lengths (static).
+      length_offsets: a tuple added to each, e.g. (-1, 0, 1) (static).
+      max_iterations: the most passes, >= 1 (static).
+      init: "mask" or "random" (static).
+      rng: a PRNG key, required by `init="random"`.
+      max_len: output width T (static; default `model.config.max_target_len`).
+
+    Returns:
+      DecodeResult of B rows.
+    """
+    max_len = _check_common(model, num_length_candidates, max_len)
+    if max_iterations < 1:
+        raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    if init == "random" and rng is None:
+        raise ValueError('init="random" needs an rng')
+    batch_size = source.shape[0]
+    logits_fn, lengths = _prepare(
+        model, params, source, num_length_candidates, tuple(length_offsets), max_len
+    )  # lengths [N]
+    initial = masked_hypothesis(lengths, max_len)  # [N, T]: MASK, EOS, PAD
+    if init == "random":
+        pieces = jax.random.randint(
+            rng, initial.shape, model.first_real_id, model.vocab_size, jnp.int32
+        )  # [N, T]
+        initial = jnp.where(initial == MASK_ID, pieces, initial)  # [N, T]
+    state = refine_loop(logits_fn, initial, lengths, max_iterations)
+    return _choose(state.tokens, state.token_log_probs, state.passes, lengths, batch_size)
+
+
+# --- Mask-Predict ---------------------------------------------------------------------
+
+
+def lowest_ranked(values: jax.Array, candidates: jax.Array, counts: jax.Array) -> jax.Array:
+    """Per row, the `counts` candidate positions with the lowest values (ties: leftmost).
+
+    Args:
+      values: float[N, T].
+      candidates: bool[N, T], the positions that may be selected.
+      counts: int[N] or int[], how many to select (fewer if fewer candidates).
+
+    Returns:
+      bool[N, T].
+    """
+    key = jnp.where(candidates, values, jnp.inf)  # [N, T]
+    order = jnp.argsort(key, axis=1, stable=True)  # [N, T]
+    rank = jnp.argsort(order, axis=1, stable=True)  # [N, T]: rank of each position
+    return candidates & (rank < jnp.reshape(counts, (-1, 1)))  # [N, T]
+
+
+@flax.struct.dataclass
+class MaskPredictState:
+    """The loop state of `mask_predict`."""
+
+    step: jax.Array  # int32[]: passes run so far
+    hypothesis: jax.Array  # int32[N, T]: tokens, MASK where to predict next
+    token_log_probs: jax.Array  # float32[N, T]: of each token when last predicted
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model", "num_length_candidates", "length_offsets", "iterations", "max_len"),
+)
+def mask_predict(
+    model: NARModel,
+    params: Params,
+    source: jax.Array,
+    *,
+    num_length_candidates: int,
+    length_offsets: tuple[int, ...],
+    iterations: int,
+    max_len: int | None = None,
+) -> DecodeResult:
+    """Mask-Predict (Ghazvininejad et al. 2019) with a length beam.
+
+    Pass 1 predicts every content position of the all-[MASK] hypothesis. After pass t
+    (t = 1..T-1) the n = floor(L * (T - t) / T) content tokens with the lowest probability
+    (each token keeps the probability it had when it was last predicted; ties: leftmost)
+    are re-masked and pass t + 1 predicts them again, L being the number of content
+    positions (the length without EOS). Predictions are the most likely real piece; their
+    probability is under the full target distribution (so mass on EOS or UNK lowers
+    confidence). Every sentence uses exactly T passes (a pass with n = 0 for a short row
+    still runs in the batch).
+
+    Args:
+      model, params, source, num_length_candidates, length_offsets, max_len: as `refine`.
+      iterations: T >= 1 (static).
+
+    Returns:
+      DecodeResult of B rows; `passes` is T.
+    """
+    max_len = _check_common(model, num_length_candidates, max_len)
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    batch_size = source.shape[0]
+    logits_fn, lengths = _prepare(
+        model, params, source, num_length_candidates, tuple(length_offsets), max_len
+    )  # lengths [N]
+    content, eos, _ = _layout(lengths, max_len)  # [N, T] each
+    num_content = lengths - 1  # [N]
+
+    def cond(state: MaskPredictState) -> jax.Array:
+        return state.step < iterations
+
+    def body(state: MaskPredictState) -> MaskPredictState:
+        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
+        fill, fill_log_probs = _best_real(log_probs)  # [N, T]
+        predict = content & (state.hypothesis == MASK_ID)  # [N, T]
+        hypothesis = jnp.where(predict, fill, state.hypothesis)  # [N, T]
+        token_log_probs = jnp.where(predict, fill_log_probs, state.token_log_probs)  # [N, T]
+        token_log_probs = jnp.where(eos, log_probs[..., EOS_ID], token_log_probs)  # [N, T]
+        done = state.step + 1  # passes after this one
+        remask = (num_content * (iterations - done)) // iterations  # [N]
+        chosen = lowest_ranked(token_log_probs, content, remask)  # [N, T]
+        return MaskPredictState(
+            step=done,
+            hypothesis=jnp.where(chosen, MASK_ID, hypothesis),  # [N, T]
+            token_log_probs=token_log_probs,  # [N, T]
+        )
+
+    num_rows = lengths.shape[0]
+    state = MaskPredictState(
+        step=jnp.array(0, jnp.int32),
+        hypothesis=masked_hypothesis(lengths, max_len),  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    passes = jnp.full((num_rows,), iterations, jnp.int32)  # [N]
+    return _choose(state.hypothesis, state.token_log_probs, passes, lengths, batch_size)
+
+
+# --- adaptive order ---------------------------------------------------------------------
+
+
+def certainty(log_probs: jax.Array, criterion: Literal["top_prob", "margin"]) -> jax.Array:
+    """How sure the model is of the real piece it would emit at each position.
+
+    "top_prob": p1, the probability of the most likely real piece; "margin": p1 - p2,
+    p2 being the second most likely real piece's (Kim et al. 2025, section 4.1). Both
+    under the full target distribution, restricted to real pieces because only a real
+    piece is ever emitted at a content position.
+
+    float32[N, T, V] log-probabilities -> float32[N, T].
+    """
+    top, _ = jax.lax.top_k(jnp.exp(log_probs[..., NUM_RESERVED:]), 2)  # [N, T, 2]
+    if criterion == "top_prob":
+        return top[..., 0]
+    if criterion == "margin":
+        return top[..., 0] - top[..., 1]
+    raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+
+
+@flax.struct.dataclass
+class AdaptiveState:
+    """The loop state of `adaptive`."""
+
+    step: jax.Array  # int32[]: passes run on the batch
+    hypothesis: jax.Array  # int32[N, T]: tokens, MASK where still masked
+    token_log_probs: jax.Array  # float32[N, T]: of each token when it was unmasked
+    passes: jax.Array  # int32[N]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model", "num_length_candidates", "length_offsets", "tokens_per_step", "criterion",
+        "max_len",
+    ),
+)
+def adaptive(
+    model: NARModel,
+    params: Params,
+    source: jax.Array,
+    *,
+    num_length_candidates: int,
+    length_offsets: tuple[int, ...],
+    tokens_per_step: int,
+    criterion: Literal["top_prob", "margin"],
+    max_len: int | None = None,
+) -> DecodeResult:
+    """Adaptive-order unmasking (Kim et al. 2025, "Train for the Worst, Plan for the Best").
+
+    From the all-[MASK] hypothesis, each pass unmasks, among the still-masked content
+    positions, the K = `tokens_per_step` with the highest `certainty` (ties: leftmost),
+    each with its most likely real piece; the other masked positions stay masked. A row
+    with L content positions (length without EOS) is done after ceil(L / K) passes and is
+    frozen while longer rows go on; the loop runs at most ceil((T - 1) / K) passes.
+
+    Args:
+      model, params, source, num_length_candidates, length_offsets, max_len: as `refine`.
+      tokens_per_step: K >= 1 (static).
+      criterion: "top_prob" or "margin" (static).
+
+    Returns:
+      DecodeResult of B rows; `passes` is ceil(L / K) of its longest candidate.
+    """
+    max_len = _check_common(model, num_length_candidates, max_len)
+    if tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+    batch_size = source.shape[0]
+    logits_fn, lengths = _prepare(
+        model, params, source, num_length_candidates, tuple(length_offsets), max_len
+    )  # lengths [N]
+    content, eos, _ = _layout(lengths, max_len)  # [N, T] each
+    max_steps = -(-(max_len - 1) // tokens_per_step)
+
+    def cond(state: AdaptiveState) -> jax.Array:
+        masked = content & (state.hypothesis == MASK_ID)  # [N, T]
+        return (state.step < max_steps) & jnp.any(masked)
+
+    def body(state: AdaptiveState) -> AdaptiveState:
+        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
+        masked = content & (state.hypothesis == MASK_ID)  # [N, T]
+        active = jnp.any(masked, axis=1)  # [N]
+        fill, fill_log_probs = _best_real(log_probs)  # [N, T]
+        chosen = lowest_ranked(
+            -certainty(log_probs, criterion), masked, jnp.asarray(tokens_per_step)
+        )  # [N, T]: the K most certain masked positions
+        token_log_probs = jnp.where(chosen, fill_log_probs, state.token_log_probs)  # [N, T]
+        token_log_probs = jnp.where(
+            eos & active[:, None], log_probs[..., EOS_ID], token_log_probs
+        )  # [N, T]
+        return AdaptiveState(
+            step=state.step + 1,
+            hypothesis=jnp.where(chosen, fill, state.hypothesis),  # [N, T]
+            token_log_probs=token_log_probs,  # [N, T]
+            passes=state.passes + active.astype(jnp.int32),  # [N]
+        )
+
+    num_rows = lengths.shape[0]
+    state = AdaptiveState(
+        step=jnp.array(0, jnp.int32),
+        hypothesis=masked_hypothesis(lengths, max_len),  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+        passes=jnp.zeros((num_rows,), jnp.int32),  # [N]
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    return _choose(state.hypothesis, state.token_log_probs, state.passes, lengths, batch_size)

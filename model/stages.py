@@ -1,0 +1,190 @@
+"""The training stages: `teacher` (the AR model) and `train` (the PaDIR student).
+
+Contract:
+  reads:  the `encode` artifact (TFRecord shards of `train` and `dev`), the `vocab`
+          artifact (`spm.model`) and the `prepare` artifact (raw dev references for BLEU).
+  writes: `<workdir>/teacher/<key>/` or `<workdir>/train/<key>/` with `checkpoints/`
+          (orbax; the student's in `checkpoints/phase1` and `checkpoints/phase2`),
+          `tensorboard/`, and a manifest with the final dev metrics.
+
+Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`), so a run
+that is killed, preempted (SIGTERM) or crashes resumes exactly from its last checkpoint
+when the stage is run again; the artifact is published only when training finished or
+its time budget (`loop.max_minutes`) ran out.
+
+    padir stage teacher configs/multi30k_en_de.yaml
+    padir stage train configs/multi30k_en_de.yaml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from components import artifacts, corpus, dag, input_pipeline, metrics
+from components import config as config_lib
+from components.tokenizer import MODEL_FILE, Tokenizer
+from model import checkpoints, train
+from model.models import ARModel, PaDIRModel
+
+log = logging.getLogger(__name__)
+
+TRAIN, DEV = "train", "dev"
+DEV_BEAM_SIZE, DEV_LENGTH_PENALTY = 4, 0.6  # the teacher's final dev evaluation
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+    """What the loop reads: resumable train batches, dev batches and their references."""
+
+    batches: train.BatchSource
+    dev_batches: list[dict]
+    references: list[str]  # raw dev targets, one per non-padding dev row, in row order
+    detokenize: Callable[[Sequence[int]], str]
+
+
+def load_tokenizer(config: config_lib.Config) -> Tokenizer:
+    return Tokenizer.load(dag.require_input(config, "vocab").path(MODEL_FILE))
+
+
+def training_data(config: config_lib.Config, loop: config_lib.TrainLoopConfig,
+                  tokenizer: Tokenizer) -> TrainingData:
+    """Bucketed batches of about `loop.tokens_per_batch` tokens, split across processes."""
+    encoded = dag.require_input(config, "encode")
+    boundaries = config.encode.bucket_boundaries
+    batch_sizes = input_pipeline.batch_sizes_for_tokens(
+        boundaries, loop.tokens_per_batch, multiple_of=jax.device_count())
+    process = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    stream = input_pipeline.TrainingStream(
+        input_pipeline.split_files(encoded.uri, TRAIN), boundaries=boundaries,
+        batch_sizes=batch_sizes, seed=config.seed, **process)
+    dev_ids, dev_batches = [], []
+    for ids, batch in input_pipeline.eval_batches(
+            input_pipeline.split_files(encoded.uri, DEV), boundaries=boundaries,
+            batch_sizes=batch_sizes, **process):
+        dev_ids.extend(ids)
+        dev_batches.append(batch)
+    prepared = dag.require_input(config, "prepare")
+    targets = {pair["id"]: pair["target"] for pair in corpus.read_split(prepared.uri, DEV)}
+    references = [targets[pair_id] for pair_id in dev_ids if pair_id]
+    log.info("%s: %d train batches per epoch (rows per bucket %s), %d dev sentences",
+             config.workdir, stream.batches_per_epoch, batch_sizes, len(references))
+    return TrainingData(stream.batches, dev_batches, references, tokenizer.decode)
+
+
+def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
+    return ARModel(config.teacher.model, tokenizer.vocab_size,
+                   label_smoothing=config.teacher.label_smoothing)
+
+
+def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel:
+    return PaDIRModel(config.train.model, tokenizer.vocab_size, tokenizer.first_real_id,
+                      label_smoothing=config.train.label_smoothing)
+
+
+def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artifact:
+    """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact."""
+    log.info("%s: resolved config\n%s", stage, config_lib.dump(config))
+    tokenizer = load_tokenizer(config)
+    inputs = {name: dag.output_uri(config, name) for name in dag.STAGES[stage].inputs}
+    with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
+                         config=dag.section_values(config, stage),
+                         config_yaml=config_lib.dump(config), inputs=inputs,
+                         resumable=True) as pending:
+        data = training_data(config, config.section(stage).loop, tokenizer)
+        result = train_fn(pending, data, tokenizer)
+        if not result.completed and result.stop_reason != "time budget":
+            raise artifacts.StageStopped(
+                f"{stage} stopped at step {int(result.state.step)} ({result.stop_reason}); "
+                f"run `padir stage {stage}` again to resume from its last checkpoint")
+        pending.counts.update(steps=int(result.state.step), data_position=result.position,
+                              vocab_size=tokenizer.vocab_size)
+        pending.metrics.update(dev=result.dev_metrics or {}, stop_reason=result.stop_reason,
+                               parameters=_count_parameters(result.state.params))
+    artifact = artifacts.read(dag.output_uri(config, stage))
+    log.info("%s: wrote %s %s", stage, artifact.uri, artifact.manifest["metrics"])
+    return artifact
+
+
+def _count_parameters(params: Any) -> int:
+    return int(sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)))
+
+
+def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
+    """Trains the AR teacher on the encoded original pairs."""
+
+    def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
+        model = teacher_model(config, tokenizer)
+        result = train.train_teacher(
+            model, data.batches, data.dev_batches, config.teacher,
+            config.mesh, checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
+            log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
+            references=data.references)
+        if result.completed or result.stop_reason == "time budget":
+            pending.metrics["dev_final"] = _final_dev_bleu(
+                model, pending.path("checkpoints"), config.teacher.loop.best_metric, data)
+        return result
+
+    return _publish(config, "teacher", train_fn)
+
+
+def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
+                    data: TrainingData) -> dict[str, Any]:
+    """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search."""
+    params = _restore(model, checkpoint_dir, best_metric)
+    searches = {
+        "greedy": jax.jit(model.predict_batch),
+        f"beam{DEV_BEAM_SIZE}": jax.jit(functools.partial(
+            model.beam_search, beam_size=DEV_BEAM_SIZE, length_penalty=DEV_LENGTH_PENALTY)),
+    }
+    scores = {}
+    for name, search in searches.items():
+        hypotheses = []
+        for batch in data.dev_batches:
+            output = search(params, batch)
+            tokens = np.asarray(output[0] if isinstance(output, tuple) else output)
+            hypotheses += [data.detokenize(row.tolist())
+                           for source, row in zip(batch["source"], tokens) if source.any()]
+        bleu = metrics.corpus_bleu(hypotheses, data.references)
+        scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature}
+        log.info("teacher dev %s: BLEU %.2f", name, bleu.score)
+    return scores
+
+
+def run_student(config: config_lib.Config) -> artifacts.Artifact:
+    """Trains the PaDIR student: phase 1 single-stage, then phase 2 unrolled."""
+
+    def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
+        return train.train_student(
+            student_model(config, tokenizer), data.batches, data.dev_batches, config.train,
+            config.mesh, checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
+            log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
+            references=data.references)
+
+    return _publish(config, "train", train_fn)
+
+
+def _restore(model: Any, checkpoint_dir: str, best_metric: str | None) -> Any:
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), train.example_batch(model))
+    params, _, step = checkpoints.restore_params(checkpoint_dir, abstract, best_metric=best_metric)
+    log.info("loaded step %d from %s", step, checkpoint_dir)
+    return params
+
+
+def final_checkpoint_dir(artifact: artifacts.Artifact) -> str:
+    """Where a published training artifact keeps the checkpoints to decode with."""
+    if artifact.stage == "train":
+        phase = "phase2" if artifact.manifest["config"]["train"]["phase2_steps"] else "phase1"
+        return artifact.path("checkpoints", phase)
+    return artifact.path("checkpoints")
+
+
+def load_params(artifact: artifacts.Artifact, model: Any, best_metric: str | None) -> Any:
+    """The parameters of a published training artifact (the best by `best_metric` if given,
+    else the last), on the default device."""
+    return _restore(model, final_checkpoint_dir(artifact), best_metric)
