@@ -16,8 +16,13 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+# The whole DAG through Prefect, with no server to start: without PREFECT_API_URL, `padir run`
+# starts a temporary local API whose SQLite database lives in PREFECT_HOME (work/prefect).
+# It prints every stage's output and the report; a second `make demo` reuses them all.
+demo: export PREFECT_HOME ?= $(abspath work/prefect)
 demo: install
 	$(BIN)/padir run configs/demo.yaml
+	@echo "more: $(BIN)/padir status configs/demo.yaml; $(BIN)/padir report configs/demo.yaml"
 
 test: install
 	$(BIN)/pytest

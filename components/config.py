@@ -337,6 +337,118 @@ class MeshConfig:
                 )
 
 
+# --- decoding and its measurement -------------------------------------------------------
+
+DECODE_KINDS = ("ar_greedy", "ar_beam", "padir", "mask_predict", "adaptive")
+AR_KINDS = ("ar_greedy", "ar_beam")  # decode with the teacher; the others with the student
+# The options each kind reads (besides name and kind); setting any other is an error.
+DECODE_OPTIONS = {
+    "ar_greedy": (),
+    "ar_beam": ("beam_size", "length_penalty"),
+    "padir": ("iterations", "num_length_candidates", "length_offsets", "init"),
+    "mask_predict": ("iterations", "num_length_candidates", "length_offsets"),
+    "adaptive": ("tokens_per_step", "criterion", "num_length_candidates", "length_offsets"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMethod:
+    """One decoding method to measure (model/decoding.py, model/beam_search.py).
+
+    The AR kinds decode with the `teacher` artifact, the others with the PaDIR student
+    (`train`). Each kind reads only its options (DECODE_OPTIONS); giving another one a
+    value other than its default is an error, so a config never carries a knob that does
+    nothing.
+
+      ar_greedy     greedy search with a KV cache
+      ar_beam       beam search: beam_size, length_penalty (GNMT exponent)
+      padir         refinement: iterations (the most passes; a sentence stops earlier at a
+                    fixed point), num_length_candidates x length_offsets, init
+      mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
+      adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
+                    num_length_candidates x length_offsets
+
+    `name` names the method in file names and reports.
+    """
+
+    name: str
+    kind: Literal["ar_greedy", "ar_beam", "padir", "mask_predict", "adaptive"]
+    iterations: int = 4
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    num_length_candidates: int = 1  # most likely lengths, each plus every offset:
+    length_offsets: tuple[int, ...] = (-1, 0, 1)  # 3 candidates by default (~ beam 4's rows)
+    init: Literal["mask", "random"] = "mask"
+    tokens_per_step: int = 2
+    criterion: Literal["top_prob", "margin"] = "margin"
+
+    def __post_init__(self):
+        where = f"decode method {self.name!r}"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
+            raise ConfigError(f"{where}: a name of letters, digits, '_', '.', '-' only")
+        if self.kind not in DECODE_OPTIONS:  # also when built in code, not parsed
+            raise ConfigError(f"{where}: kind must be one of {list(DECODE_KINDS)}")
+        for field in dataclasses.fields(self):
+            if field.name in ("name", "kind") or field.name in DECODE_OPTIONS[self.kind]:
+                continue
+            if getattr(self, field.name) != field.default:
+                raise ConfigError(f"{where}: '{field.name}' does not apply to kind {self.kind} "
+                                  f"(it reads {list(DECODE_OPTIONS[self.kind]) or 'no options'})")
+        if min(self.iterations, self.beam_size, self.num_length_candidates,
+               self.tokens_per_step) < 1:
+            raise ConfigError(f"{where}: iterations, beam_size, num_length_candidates and "
+                              "tokens_per_step must be >= 1")
+        if self.length_penalty < 0 or not self.length_offsets:
+            raise ConfigError(f"{where}: length_penalty must be >= 0 and length_offsets "
+                              "non-empty")
+
+    @property
+    def stage(self) -> str:
+        """The training stage whose checkpoint this method decodes with."""
+        return "teacher" if self.kind in AR_KINDS else "train"
+
+
+DEFAULT_DECODE_METHODS: tuple[DecodeMethod, ...] = (
+    DecodeMethod("ar_greedy", "ar_greedy"),
+    DecodeMethod("ar_beam4", "ar_beam", beam_size=4),
+    DecodeMethod("padir_1", "padir", iterations=1),
+    DecodeMethod("padir_2", "padir", iterations=2),
+    DecodeMethod("padir_4", "padir", iterations=4),
+    DecodeMethod("padir_10", "padir", iterations=10),
+    DecodeMethod("mask_predict_4", "mask_predict", iterations=4),
+    DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
+    DecodeMethod("adaptive_margin", "adaptive", criterion="margin"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What the `decode` stage runs on every test set, and how it measures speed.
+
+    Each method decodes every sentence twice: at `latency_batch_size` (1: per-sentence
+    latency, the hypotheses that are scored) and batched at `throughput_batch_size`
+    (sentences and tokens per second). `max_sentences` decodes only the first N sentences
+    of each test set, by id (the demo's slice).
+    """
+
+    methods: tuple[DecodeMethod, ...] = DEFAULT_DECODE_METHODS
+    latency_batch_size: int = 1
+    throughput_batch_size: int = 64
+    max_sentences: Optional[int] = None
+
+    def __post_init__(self):
+        if not self.methods:
+            raise ConfigError("decode.methods: give at least one method")
+        names = [method.name for method in self.methods]
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise ConfigError(f"decode.methods[{i}].name: {name!r} is given twice")
+        if min(self.latency_batch_size, self.throughput_batch_size) < 1:
+            raise ConfigError("decode.latency_batch_size and throughput_batch_size must be >= 1")
+        if self.max_sentences is not None and self.max_sentences < 1:
+            raise ConfigError("decode.max_sentences: expected a positive integer or null")
+
+
 @dataclasses.dataclass(frozen=True)
 class BeamConfig:
     """Beam pipeline options; command-line flags given to a job override these."""
@@ -358,6 +470,7 @@ class Config:
     encode: EncodeConfig = EncodeConfig()
     teacher: TeacherConfig = TeacherConfig()
     train: StudentConfig = StudentConfig()
+    decode: DecodeConfig = DecodeConfig()
     mesh: MeshConfig = MeshConfig()
 
     def __post_init__(self):

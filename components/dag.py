@@ -25,6 +25,8 @@ STAGES: dict[str, StageSpec] = {
     "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab")),
     "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode")),
     "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode")),
+    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "train")),
+    "score": StageSpec(sections=(), inputs=("prepare", "decode")),
 }
 
 

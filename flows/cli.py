@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -16,15 +17,17 @@ from components.corpus import CorpusError
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
 
 # Stage name -> "module:function" that computes it (imported on use: heavy). Beam stages'
-# functions take `(config, beam_args)`, the training stages' just `(config)`.
+# functions take `(config, beam_args)`, the others (training, scoring) just `(config)`.
 BEAM_STAGES = {
     "prepare": "pipelines.prepare:run",
     "vocab": "pipelines.vocab:run",
     "encode": "pipelines.encode:run",
+    "decode": "pipelines.decode:run",
 }
-TRAINING_STAGES = {
+PYTHON_STAGES = {
     "teacher": "model.stages:run_teacher",
     "train": "model.stages:run_student",
+    "score": "components.score:run",
 }
 
 
@@ -39,7 +42,7 @@ def run_stage(name: str, config: config_lib.Config, beam_args: Sequence[str] = (
         return _load(BEAM_STAGES[name])(config, beam_args=beam_args)
     if beam_args:
         raise config_lib.ConfigError(f"stage {name} is not a Beam job: unexpected {beam_args}")
-    return _load(TRAINING_STAGES[name])(config)
+    return _load(PYTHON_STAGES[name])(config)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +56,165 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
-    stage.add_argument("name", choices=[*BEAM_STAGES, *TRAINING_STAGES])
+    stage.add_argument("name", choices=[*BEAM_STAGES, *PYTHON_STAGES])
     _add_config_args(stage)
+    _add_translate_command(commands)
+    _add_pipeline_commands(commands)
     return parser
+
+
+# --- the whole pipeline: `padir run | status | serve | report` ----------------------------
+
+
+def _add_selection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="from_stage", metavar="STAGE",
+                        help="recompute this stage and everything downstream of it")
+    parser.add_argument("--only", metavar="STAGE", help="run just this stage")
+    parser.add_argument("--force", action="append", default=[], metavar="STAGE",
+                        help="recompute this stage (and downstream); repeatable")
+
+
+def _add_pipeline_commands(commands) -> None:
+    run = commands.add_parser(
+        "run", help="run the DAG through Prefect, reusing every complete stage")
+    _add_config_args(run)
+    _add_selection_args(run)
+    status = commands.add_parser(
+        "status", help="which stages are complete, their keys and headline metrics")
+    _add_config_args(status)
+    serve = commands.add_parser(
+        "serve", help="serve a scheduled Prefect deployment of the DAG (needs PREFECT_API_URL)")
+    _add_config_args(serve)
+    _add_selection_args(serve)
+    serve.add_argument("--cron", required=True, help='schedule, e.g. "0 3 * * *"')
+    serve.add_argument("--name", help="deployment name (default: the config file's name)")
+    report = commands.add_parser("report", help="print the path and markdown of the report")
+    _add_config_args(report)
+
+
+def _use_ephemeral_prefect() -> None:
+    """Without PREFECT_API_URL, `padir run` starts a temporary local Prefect API (SQLite in
+    PREFECT_HOME): no server to run, nothing sent off the machine. Set before Prefect loads."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_ENABLED", "true")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
+    from flows import plan
+
+    selection = dict(from_stage=args.from_stage, only=args.only, force=args.force)
+    plan.plan(config, **selection)  # a bad selection fails here, before Prefect starts
+    _use_ephemeral_prefect()
+    from flows import pipeline
+
+    try:
+        uris = pipeline.padir_pipeline(args.config, args.set, **selection)
+    except pipeline.StageFailed as e:
+        print(f"padir: {e}\npadir: the stages before '{e.stage}' are reused when rerun",
+              file=sys.stderr)
+        if isinstance(e.__cause__, artifacts.StageStopped):
+            return 3
+        return 2 if isinstance(e.__cause__, USER_ERRORS) else 1
+    print(f"outputs (workdir {config.workdir}):")
+    for stage, uri in uris.items():
+        print(f"  {stage:8} {uri}")
+    report = plan.report_path(config)
+    print(f"report: {report}" if report else "report: none yet (no score stage output)")
+    return 0
+
+
+def _print_status(args: argparse.Namespace, config: config_lib.Config) -> int:
+    from flows import plan
+
+    print(f"workdir {config.workdir}")
+    print(f"  {'stage':8} {'state':8} {'key':12}  {'next run':32} headline metrics")
+    for row in plan.describe(config):
+        metrics = " ".join(f"{name}={value}" for name, value in row["metrics"].items())
+        print(f"  {row['stage']:8} {row['state']:8} {row['key']:12}  {row['next']:32} "
+              f"{metrics}".rstrip())
+    return 0
+
+
+def _serve(args: argparse.Namespace, config: config_lib.Config) -> int:
+    from flows import pipeline
+
+    name = args.name or os.path.splitext(os.path.basename(args.config))[0]
+    pipeline.serve(args.config, args.set, name=name, cron=args.cron,
+                   from_stage=args.from_stage, only=args.only, force=args.force)
+    return 0
+
+
+def _print_report(args: argparse.Namespace, config: config_lib.Config) -> int:
+    from flows import plan
+
+    path = plan.report_path(config)
+    if path is None:
+        if plan.REPORT_STAGE not in plan.dag.STAGES:
+            print(f"padir: no report: this pipeline has no '{plan.REPORT_STAGE}' stage yet",
+                  file=sys.stderr)
+        else:
+            print(f"padir: no report yet for this config: run `padir run {args.config}` "
+                  f"(the '{plan.REPORT_STAGE}' stage writes {plan.REPORT_FILE})", file=sys.stderr)
+        return 1
+    fs, local = artifacts.filesystem(path)
+    with fs.open(local, "r") as f:
+        print(f"{path}\n\n{f.read()}")
+    return 0
+
+
+PIPELINE_COMMANDS = {"run": _run_pipeline, "status": _print_status, "serve": _serve,
+                     "report": _print_report}
+
+
+# --- `padir translate`: stdin -> stdout with a published checkpoint -------------------------
+
+
+def _add_translate_command(commands) -> None:
+    translate = commands.add_parser(
+        "translate", help="translate stdin line by line with a teacher or train artifact",
+        description="Reads sentences from stdin, prints one translation per line. Options a "
+                    "method does not use are an error; unset ones take the defaults of "
+                    "components.config.DecodeMethod.")
+    translate.add_argument("--checkpoint", required=True, metavar="DIR",
+                           help="a published teacher or train artifact, e.g. "
+                                "work/multi30k_en_de/train/<key>")
+    translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
+                           help="default: padir for a train artifact, ar_beam for a teacher")
+    translate.add_argument("--iterations", type=int, help="padir, mask_predict")
+    translate.add_argument("--beam-size", type=int, help="ar_beam")
+    translate.add_argument("--length-penalty", type=float, help="ar_beam")
+    translate.add_argument("--length-candidates", type=int, dest="num_length_candidates",
+                           help="NAR methods: most likely lengths tried")
+    translate.add_argument("--length-offsets", metavar="D,D,...",
+                           type=lambda text: tuple(int(d) for d in text.split(",")),
+                           help="NAR methods: added to each length, e.g. --length-offsets=-1,0,1")
+    translate.add_argument("--init", choices=("mask", "random"), help="padir")
+    translate.add_argument("--tokens-per-step", type=int, help="adaptive")
+    translate.add_argument("--criterion", choices=("top_prob", "margin"), help="adaptive")
+    translate.add_argument("--batch-size", type=int, default=16,
+                           help="sentences decoded together (default 16)")
+
+
+TRANSLATE_OPTIONS = ("iterations", "beam_size", "length_penalty", "num_length_candidates",
+                     "length_offsets", "init", "tokens_per_step", "criterion")
+
+
+def _translate(args: argparse.Namespace) -> int:
+    from model import inference  # JAX: only for this command
+
+    stage = artifacts.read(args.checkpoint).stage
+    kind = args.method or ("ar_beam" if stage == "teacher" else "padir")
+    options = {name: getattr(args, name) for name in TRANSLATE_OPTIONS
+               if getattr(args, name) is not None}
+    method = config_lib.DecodeMethod(name=kind, kind=kind, **options)
+    if method.stage != stage:  # before the checkpoint is restored
+        raise config_lib.ConfigError(f"--method {kind} decodes with a {method.stage!r} "
+                                     f"artifact; {args.checkpoint} is a {stage!r} one")
+    for line in inference.translate_lines(args.checkpoint, method, sys.stdin,
+                                          batch_size=args.batch_size):
+        print(line, flush=True)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,11 +222,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Prefect's client logs every request
     try:
+        if args.command == "translate":
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            return _translate(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
             artifact = run_stage(args.name, config, beam_args=extra)
             print(f"{args.name}: {artifact.uri}")
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        else:
+            return PIPELINE_COMMANDS[args.command](args, config)
     except USER_ERRORS as e:
         parser.exit(2, f"padir: error: {e}\n")
     except artifacts.StageStopped as e:

@@ -29,7 +29,7 @@ import numpy as np
 from components import artifacts, corpus, dag, input_pipeline, metrics
 from components import config as config_lib
 from components.tokenizer import MODEL_FILE, Tokenizer
-from model import checkpoints, train
+from model import inference, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
 def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
                     data: TrainingData) -> dict[str, Any]:
     """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search."""
-    params = _restore(model, checkpoint_dir, best_metric)
+    params, _ = inference.restore(model, checkpoint_dir, best_metric)
     searches = {
         "greedy": jax.jit(model.predict_batch),
         f"beam{DEV_BEAM_SIZE}": jax.jit(functools.partial(
@@ -167,24 +167,3 @@ def run_student(config: config_lib.Config) -> artifacts.Artifact:
             references=data.references)
 
     return _publish(config, "train", train_fn)
-
-
-def _restore(model: Any, checkpoint_dir: str, best_metric: str | None) -> Any:
-    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), train.example_batch(model))
-    params, _, step = checkpoints.restore_params(checkpoint_dir, abstract, best_metric=best_metric)
-    log.info("loaded step %d from %s", step, checkpoint_dir)
-    return params
-
-
-def final_checkpoint_dir(artifact: artifacts.Artifact) -> str:
-    """Where a published training artifact keeps the checkpoints to decode with."""
-    if artifact.stage == "train":
-        phase = "phase2" if artifact.manifest["config"]["train"]["phase2_steps"] else "phase1"
-        return artifact.path("checkpoints", phase)
-    return artifact.path("checkpoints")
-
-
-def load_params(artifact: artifacts.Artifact, model: Any, best_metric: str | None) -> Any:
-    """The parameters of a published training artifact (the best by `best_metric` if given,
-    else the last), on the default device."""
-    return _restore(model, final_checkpoint_dir(artifact), best_metric)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import logging
 import math
+import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -539,7 +540,19 @@ def _run(
                 )
                 interval_start, interval_tokens = time.monotonic(), 0
 
-            evaluated = dev_batches is not None and every(step, loop.eval_every, num_steps)
+            stop = stop_signal.received is not None or (
+                deadline is not None and time.monotonic() > deadline
+            )
+            if jax.process_count() > 1:
+                # Processes must stop at the same step; agreeing costs a host round trip,
+                # so they agree at the log cadence only.
+                stop = logged and checkpoints.any_process(stop)
+            # The time budget ends with an evaluated checkpoint, so the best one is known;
+            # SIGTERM (preemption) saves at once.
+            evaluated = dev_batches is not None and (
+                every(step, loop.eval_every, num_steps)
+                or (stop and stop_signal.received is None)
+            )
             if evaluated:
                 accumulator.flush()  # never evaluate or save a state that went NaN
                 started = time.monotonic()
@@ -553,13 +566,6 @@ def _run(
                 if is_main:
                     log.info("step %d dev %s", step, _format(dev_metrics))
 
-            stop = stop_signal.received is not None or (
-                deadline is not None and time.monotonic() > deadline
-            )
-            if jax.process_count() > 1:
-                # Processes must stop at the same step; agreeing costs a host round trip,
-                # so they agree at the log cadence only.
-                stop = logged and checkpoints.any_process(stop)
             if evaluated or stop or every(step, loop.checkpoint_every, num_steps):
                 accumulator.flush()
                 checkpoints.save(
@@ -610,8 +616,11 @@ def _write(writer, prefix: str, metrics: Mapping[str, float], step: int) -> None
 def _progress_bar(step: int, total: int, disable: bool):
     from tqdm.auto import tqdm
 
-    # tqdm shows steps/s and the ETA; tokens/s goes in the postfix at each log step.
-    return tqdm(total=total, initial=step, unit="step", disable=disable, dynamic_ncols=True)
+    # tqdm shows steps/s and the ETA; tokens/s goes in the postfix at each log step. Into a
+    # log file (scheduled runs) it writes a line a minute rather than one per step.
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, initial=step, unit="step", disable=disable, dynamic_ncols=True,
+                mininterval=0.1 if interactive else 60.0)
 
 
 # --- the two stages that train -------------------------------------------------------------

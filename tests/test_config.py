@@ -1,5 +1,7 @@
 """components/config.py: the typed schema, overrides, includes, env vars, section hashes."""
 
+import os
+
 import pytest
 import yaml
 
@@ -111,7 +113,7 @@ def test_include_merges_the_overlay_over_its_base(tmp_path):
         "data": {"max_train_pairs": 10}, "prepare": {"num_shards": 1},
     })
     config = config_lib.load(overlay, ["prepare.max_chars=50"])
-    assert config.workdir == "work/small" and config.seed == 1
+    assert config.workdir == os.path.abspath("work/small") and config.seed == 1
     assert config.data.train.source == "a.en" and config.data.max_train_pairs == 10
     assert (config.prepare.max_chars, config.prepare.num_shards) == (50, 1)
 
@@ -176,3 +178,10 @@ def test_section_hash_is_stable_and_changes_only_for_the_changed_section(tmp_pat
     # Settings that do not define any output (the runner, the workdir) change no key.
     moved = _load(tmp_path, overrides=["workdir=elsewhere", "beam.runner=DataflowRunner"])
     assert dag.stage_key(moved, "vocab") == dag.stage_key(config, "vocab")
+
+
+def test_a_local_workdir_is_made_absolute_and_a_remote_one_kept():
+    assert config_lib.from_dict(config_lib.Config, {**BASE, "workdir": "runs/a"}).workdir == \
+        os.path.abspath("runs/a")
+    assert config_lib.from_dict(config_lib.Config, {**BASE, "workdir": "gs://b/runs"}).workdir == \
+        "gs://b/runs"

@@ -11,31 +11,12 @@ import pytest
 from components import artifacts, dag
 from components import config as config_lib
 from flows import cli
-
-DATA_ROOT = os.environ.get("PADIR_DATA_ROOT", "")
-TINY_MODEL = {"d_model": 32, "num_heads": 2, "num_encoder_layers": 1, "num_decoder_layers": 1,
-              "mlp_dim": 64, "dropout_rate": 0.0}
-TINY_LOOP = {"tokens_per_batch": 512, "log_every": 2, "eval_every": 3, "checkpoint_every": 3}
+from tiny_experiment import tiny_config
 
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    if not os.path.isdir(os.path.join(DATA_ROOT, "multi30k")):
-        pytest.skip("PADIR_DATA_ROOT does not hold multi30k")
-    workdir = tmp_path_factory.mktemp("stages")
-    path = workdir / "tiny.yaml"
-    path.write_text(f"include: {os.path.abspath('configs/multi30k_en_de.yaml')}\n")
-    return config_lib.load(str(path), [
-        f"workdir={workdir}/work",
-        "data.max_train_pairs=200",
-        "prepare.num_shards=1",
-        "vocab.size=400",
-        "encode.num_shards=1",
-        f"teacher.model={TINY_MODEL}", f"teacher.loop={TINY_LOOP}", "teacher.steps=3",
-        "teacher.optimizer.warmup_steps=1",
-        f"train.model={TINY_MODEL}", f"train.loop={TINY_LOOP}", "train.phase1_steps=2",
-        "train.phase2_steps=2", "train.optimizer.warmup_steps=1",
-    ])
+    return tiny_config(str(tmp_path_factory.mktemp("stages")))
 
 
 def test_every_stage_runs_in_order_and_publishes(config):

@@ -1,0 +1,301 @@
+"""The score stage's report: quality and speed per test set and decoding method.
+
+    result = score_method("padir_4", "padir", records, references, throughput)
+    report = build_report({"test2016": [result, ...]})   # JSON-able dict
+    markdown = render_markdown(report)
+    write_plots(report, {"test2016": {"padir_4": records}}, out_dir)   # PNG paths
+
+`records` are the decode stage's lines of one method (`{"id", "hypothesis", "latency_s",
+"passes", "source_tokens", ...}`, decoded at batch 1), `references` the raw reference of
+each, in the same order; `throughput` the decode manifest's figures for the batched pass.
+
+Per method: sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only
+to compare with the Multi30k literature), stutter (components/metrics.py), latency per
+sentence at batch 1 (mean, median, p90, p99), batched throughput (sentences and tokens per
+second of decode time), mean decoder passes, and speedups over the AR baselines: the first
+method of kind `ar_greedy` and the first of kind `ar_beam`. A latency speedup is baseline
+latency / method latency per statistic (> 1: faster); a throughput speedup is method
+sentences/s / baseline sentences/s. Both were measured in one decode job, one decode at a
+time, on the same machine.
+
+Plots (matplotlib, Agg backend, imported on use): BLEU against median latency per method,
+stutter per method, and latency against source length; one of each per test set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import posixpath
+import statistics
+from typing import Any, Mapping, Optional, Sequence
+
+from components import artifacts, metrics
+
+BASELINE_KINDS = ("ar_greedy", "ar_beam")
+PLOTS = ("bleu_vs_latency", "stutter", "latency_vs_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodResult:
+    """Everything the report says about one method on one test set."""
+
+    method: str
+    kind: str
+    sentences: int
+    bleu: metrics.CorpusScore
+    chrf: metrics.CorpusScore
+    bleu_tok_lc: metrics.CorpusScore
+    stutter: metrics.StutterStats
+    latency: metrics.LatencySummary  # seconds per sentence, batch 1
+    throughput: Mapping[str, Any]  # the decode manifest's: sentences_per_s, tokens_per_s, ...
+    mean_passes: float
+    truncated: int  # sources cut to the widest length bucket
+
+
+def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, Any]:
+    """Sentences and hypothesis tokens (EOS included) per second of decode-call time, from
+    the records of a batched pass (their `latency_s` sum to the batches' decode time)."""
+    seconds = sum(record["latency_s"] for record in records)
+    tokens = sum(record["hypothesis_tokens"] for record in records)
+    return {
+        "batch_size": batch_size,
+        "sentences": len(records),
+        "tokens": tokens,
+        "seconds": seconds,
+        "sentences_per_s": len(records) / seconds if seconds > 0 else None,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+    }
+
+
+def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
+                 references: Sequence[str], throughput: Mapping[str, Any]) -> MethodResult:
+    """Scores one method's decode records against their references (same order)."""
+    hypotheses = [record["hypothesis"] for record in records]
+    return MethodResult(
+        method=method,
+        kind=kind,
+        sentences=len(records),
+        bleu=metrics.corpus_bleu(hypotheses, references),
+        chrf=metrics.corpus_chrf(hypotheses, references),
+        bleu_tok_lc=metrics.tokenized_lowercased_bleu(hypotheses, references),
+        stutter=metrics.stutter_stats(hypotheses, references),
+        latency=metrics.summarize_latency([record["latency_s"] for record in records]),
+        throughput=dict(throughput),
+        mean_passes=statistics.fmean(record["passes"] for record in records),
+        truncated=sum(1 for record in records if record.get("truncated")),
+    )
+
+
+def baselines(results: Sequence[MethodResult]) -> dict[str, MethodResult]:
+    """Kind -> the first method of that kind, for each of `BASELINE_KINDS` present."""
+    firsts = {kind: next((r for r in results if r.kind == kind), None) for kind in BASELINE_KINDS}
+    return {kind: result for kind, result in firsts.items() if result is not None}
+
+
+def speedups(result: MethodResult, baseline: MethodResult) -> dict[str, Optional[float]]:
+    """Latency speedups (median, p99) and the throughput ratio of `result` over `baseline`."""
+    latency = metrics.speedups(baseline.latency, result.latency) \
+        if result.latency.median > 0 and result.latency.p99 > 0 else {}
+    mine = result.throughput.get("sentences_per_s")
+    theirs = baseline.throughput.get("sentences_per_s")
+    return {
+        "median": latency.get("median"),
+        "p99": latency.get("p99"),
+        "throughput": mine / theirs if mine and theirs else None,
+    }
+
+
+def _score(score: metrics.CorpusScore) -> dict[str, Any]:
+    return {"score": score.score, "signature": score.signature, "details": score.details}
+
+
+def result_dict(result: MethodResult, bases: Mapping[str, MethodResult]) -> dict[str, Any]:
+    """One method as JSON-able data (the entries of report.json)."""
+    stutter = result.stutter
+    return {
+        "method": result.method,
+        "kind": result.kind,
+        "sentences": result.sentences,
+        "truncated": result.truncated,
+        "bleu": _score(result.bleu),
+        "chrf": _score(result.chrf),
+        "bleu_tok_lc": _score(result.bleu_tok_lc),
+        "stutter": {"sentence_rate": stutter.sentence_rate,
+                    "per_100_words": stutter.per_100_words,
+                    **dataclasses.asdict(stutter)},
+        "latency_s": dataclasses.asdict(result.latency),
+        "throughput": dict(result.throughput),
+        "mean_passes": result.mean_passes,
+        "speedup": {f"vs_{base.method}": speedups(result, base) for base in bases.values()},
+    }
+
+
+def build_report(results: Mapping[str, Sequence[MethodResult]]) -> dict[str, Any]:
+    """Test set -> its methods' results -> report.json's content."""
+    test_sets = {}
+    for test_set, methods in results.items():
+        bases = baselines(methods)
+        test_sets[test_set] = {
+            "baselines": {kind: base.method for kind, base in bases.items()},
+            "methods": [result_dict(result, bases) for result in methods],
+        }
+    return {"test_sets": test_sets}
+
+
+def headline(report: Mapping[str, Any]) -> dict[str, Any]:
+    """A few figures per test set and method, for the stage's manifest."""
+    out = {}
+    for test_set, entry in report["test_sets"].items():
+        out[test_set] = {}
+        for method in entry["methods"]:
+            figures = {"bleu": round(method["bleu"]["score"], 2),
+                       "chrf": round(method["chrf"]["score"], 2),
+                       "stutter_rate": round(method["stutter"]["sentence_rate"], 4),
+                       "latency_median_s": method["latency_s"]["median"],
+                       "throughput_sentences_per_s": method["throughput"].get("sentences_per_s")}
+            for name, ratio in method["speedup"].items():
+                figures[f"speedup_median_{name}"] = ratio["median"]
+            out[test_set][method["method"]] = figures
+    return out
+
+
+# --- markdown ---------------------------------------------------------------------------
+
+
+def _number(value: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """report.json as tables a person reads: quality, speed, speedups, then signatures."""
+    lines = ["# Decoding report", ""]
+    for test_set, entry in report["test_sets"].items():
+        methods = entry["methods"]
+        sentences = methods[0]["sentences"] if methods else 0
+        lines += [f"## {test_set} ({sentences} sentences)", "", "### Quality", ""]
+        lines += _table(
+            ["method", "kind", "BLEU", "chrF", "BLEU tok+lc", "stutter (% sent.)",
+             "stutter /100 words", "passes"],
+            [[m["method"], m["kind"], _number(m["bleu"]["score"]), _number(m["chrf"]["score"]),
+              _number(m["bleu_tok_lc"]["score"]),
+              _number(100 * m["stutter"]["sentence_rate"], 1),
+              _number(m["stutter"]["per_100_words"]), _number(m["mean_passes"], 1)]
+             for m in methods])
+        lines += ["", "### Speed", "",
+                  "Latency per sentence at batch 1 (ms); throughput batched "
+                  f"(batch {_batch_size(methods)}), decode time only.", ""]
+        lines += _table(
+            ["method", "median ms", "p90 ms", "p99 ms", "sentences/s", "tokens/s"],
+            [[m["method"], _number(1e3 * m["latency_s"]["median"]),
+              _number(1e3 * m["latency_s"]["p90"]), _number(1e3 * m["latency_s"]["p99"]),
+              _number(m["throughput"].get("sentences_per_s"), 1),
+              _number(m["throughput"].get("tokens_per_s"), 0)] for m in methods])
+        baseline_names = list(entry["baselines"].values())
+        if baseline_names:
+            lines += ["", "### Speedups", "",
+                      "Baseline latency / method latency (median, p99) and method / baseline "
+                      "throughput; > 1 means faster.", ""]
+            header = ["method"] + [f"vs {name} {stat}" for name in baseline_names
+                                   for stat in ("median", "p99", "throughput")]
+            rows = [[m["method"]] + [_number(m["speedup"][f"vs_{name}"][stat], 2, "x")
+                                     for name in baseline_names
+                                     for stat in ("median", "p99", "throughput")]
+                    for m in methods]
+            lines += _table(header, rows)
+        if methods and methods[0]["truncated"]:  # a property of the sources: same for all
+            lines += ["", f"{methods[0]['truncated']} of {sentences} sources were longer than "
+                          "the widest length bucket and were cut to it."]
+        lines += ["", "Signatures:"]
+        if methods:
+            for name in ("bleu", "chrf", "bleu_tok_lc"):
+                lines.append(f"- {name}: `{methods[0][name]['signature']}`")
+        lines += ["- BLEU tok+lc is sacreBLEU 13a, lowercased: only to compare with the Multi30k "
+                  "literature (components/metrics.py says how it differs).", ""]
+        lines += [f"![{plot}](plots/{test_set}/{plot}.png)" for plot in PLOTS] + [""]
+    return "\n".join(lines)
+
+
+def _batch_size(methods: Sequence[Mapping[str, Any]]) -> str:
+    sizes = sorted({m["throughput"].get("batch_size") for m in methods} - {None})
+    return "/".join(str(size) for size in sizes) or "?"
+
+
+# --- plots --------------------------------------------------------------------------------
+
+
+def _save(figure, path: str) -> None:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
+    fs, local = artifacts.filesystem(path)
+    fs.makedirs(posixpath.dirname(local), exist_ok=True)
+    with fs.open(local, "wb") as f:
+        f.write(buffer.getvalue())
+
+
+def write_plots(report: Mapping[str, Any],
+                records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+                out_uri: str) -> list[str]:
+    """Writes `plots/{test_set}/{plot}.png` under `out_uri` (local or fsspec); their paths.
+
+    Args:
+      records: test set -> method -> its decode records (for latency against length).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; safe in workers and CI
+    import matplotlib.pyplot as plt
+
+    written = []
+    for test_set, entry in report["test_sets"].items():
+        methods = entry["methods"]
+        names = [m["method"] for m in methods]
+
+        def path(plot: str) -> str:
+            return artifacts.join(out_uri, "plots", test_set, f"{plot}.png")
+
+        figure, axes = plt.subplots(figsize=(6.5, 4.5))
+        for m in methods:
+            x, y = 1e3 * m["latency_s"]["median"], m["bleu"]["score"]
+            axes.scatter([x], [y], marker="s" if m["kind"] in BASELINE_KINDS else "o")
+            axes.annotate(m["method"], (x, y), textcoords="offset points", xytext=(4, 4),
+                          fontsize=8)
+        axes.set(xlabel="median latency per sentence, batch 1 (ms)", ylabel="sacreBLEU",
+                 title=f"{test_set}: quality against latency")
+        axes.grid(alpha=0.3)
+        _save(figure, path("bleu_vs_latency"))
+        plt.close(figure)
+
+        figure, axes = plt.subplots(figsize=(max(6.0, 0.7 * len(methods)), 4.0))
+        rates = [100 * m["stutter"]["sentence_rate"] for m in methods]
+        axes.bar(range(len(methods)), rates, color=[
+            "tab:gray" if m["kind"] in BASELINE_KINDS else "tab:blue" for m in methods])
+        axes.set_xticks(range(len(methods)), names, rotation=30, ha="right")
+        axes.set_ylim(0, max(1.0, 1.15 * max(rates, default=0.0)))
+        axes.set(ylabel="sentences with a stutter (%)", title=f"{test_set}: stutter per method")
+        axes.grid(axis="y", alpha=0.3)
+        _save(figure, path("stutter"))
+        plt.close(figure)
+
+        figure, axes = plt.subplots(figsize=(6.5, 4.5))
+        for name in names:
+            method_records = records[test_set][name]
+            axes.scatter([r["source_tokens"] for r in method_records],
+                         [1e3 * r["latency_s"] for r in method_records], s=8, alpha=0.6,
+                         label=name)
+        axes.set(xlabel="source tokens (EOS included)", ylabel="latency, batch 1 (ms)",
+                 title=f"{test_set}: latency against source length")
+        axes.set_yscale("log")
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=7, ncol=2)
+        _save(figure, path("latency_vs_length"))
+        plt.close(figure)
+        written += [path(plot) for plot in PLOTS]
+    return written

@@ -1,0 +1,181 @@
+"""What a pipeline run will do, decided before it starts: no Prefect here.
+
+Every stage of `components.dag.STAGES` is visited in topological order. A selected stage
+runs when it is forced (`force`, or at or below `from_stage`), when its artifact is not
+complete (never built, deleted, or left partial by a crash), or when one of its inputs
+runs; otherwise its complete artifact is reused. The Prefect flow (flows/pipeline.py)
+executes this plan; `padir status` shows the same facts without running anything.
+
+    plan(config)                        # everything, reusing what is complete
+    plan(config, from_stage="train")    # recompute train and everything downstream
+    plan(config, only="vocab")          # just vocab (its inputs must be complete)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from components import artifacts, dag
+from components.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """One stage of a run: where its artifact is and whether it must be computed."""
+
+    stage: str
+    key: str  # dag.stage_key: also the Prefect cache key
+    uri: str
+    run: bool
+    reason: str  # why it runs ("forced", "no complete artifact", "input vocab runs") or not
+
+
+def topological_order(stages: Mapping[str, dag.StageSpec] | None = None) -> list[str]:
+    """Stage names, every stage after its inputs; ties keep the registration order."""
+    stages = dag.STAGES if stages is None else stages
+    for name, spec in stages.items():
+        for upstream in spec.inputs:
+            if upstream not in stages:
+                raise ConfigError(f"stage {name!r} reads unknown stage {upstream!r}")
+    order: list[str] = []
+    placed: set[str] = set()
+    while len(order) < len(stages):
+        ready = [name for name, spec in stages.items()
+                 if name not in placed and placed.issuperset(spec.inputs)]
+        if not ready:
+            raise ConfigError(f"the stage graph has a cycle among {sorted(set(stages) - placed)}")
+        order.append(ready[0])
+        placed.add(ready[0])
+    return order
+
+
+def downstream(stage: str, stages: Mapping[str, dag.StageSpec] | None = None) -> list[str]:
+    """`stage` and every stage that reads it, directly or not, in topological order."""
+    stages = dag.STAGES if stages is None else stages
+    affected = {stage}
+    for name in topological_order(stages):
+        if affected.intersection(stages[name].inputs):
+            affected.add(name)
+    return [name for name in topological_order(stages) if name in affected]
+
+
+def _check_stages(names: Iterable[str], flag: str) -> None:
+    for name in names:
+        if name not in dag.STAGES:
+            raise ConfigError(f"{flag}: unknown stage {name!r} (stages: {list(dag.STAGES)})")
+
+
+def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str] = None,
+         force: Sequence[str] = ()) -> list[StagePlan]:
+    """The selected stages in topological order, each marked to run or to reuse.
+
+    Args:
+      from_stage: force this stage and everything downstream of it to be recomputed.
+      only: select just this stage; its inputs are not run and must be complete.
+      force: recompute these stages (and therefore everything downstream of them).
+
+    Raises:
+      ConfigError: an unknown stage name, or `only` whose inputs have no complete artifact.
+    """
+    _check_stages(force, "--force")
+    _check_stages([from_stage] if from_stage else [], "--from")
+    _check_stages([only] if only else [], "--only")
+    forced = set(force) | set(downstream(from_stage) if from_stage else ())
+    steps: dict[str, StagePlan] = {}
+    for stage in topological_order():
+        if only is not None and stage != only:
+            continue
+        uri = dag.output_uri(config, stage)
+        running_inputs = [name for name in dag.STAGES[stage].inputs
+                          if name in steps and steps[name].run]
+        if stage in forced:
+            run, reason = True, "forced"
+        elif not artifacts.is_complete(uri):
+            run, reason = True, "no complete artifact"
+        elif running_inputs:
+            run, reason = True, f"input {running_inputs[0]} runs"
+        else:
+            run, reason = False, "complete"
+        steps[stage] = StagePlan(stage, dag.stage_key(config, stage), uri, run, reason)
+    if only is not None:
+        missing = [name for name in dag.STAGES[only].inputs
+                   if not artifacts.is_complete(dag.output_uri(config, name))]
+        if missing:
+            raise ConfigError(f"--only {only}: its input stage(s) {missing} have no complete "
+                              "artifact for this config; run them first (drop --only)")
+    return list(steps.values())
+
+
+# --- what `padir status` shows -----------------------------------------------------------
+
+HEADLINE_METRICS = 4  # scalars shown per stage
+# Metrics that make a headline, best first: substrings of the last part of the name.
+HEADLINE_WORDS = ("bleu", "chrf", "stutter", "latency", "per_s", "loss", "accuracy",
+                  "unk_rate")
+REPORT_STAGE, REPORT_FILE = "score", "report.md"  # the run's final report, once that stage exists
+
+
+def headline_metrics(manifest: Mapping[str, Any], limit: int = HEADLINE_METRICS) -> dict[str, Any]:
+    """A few scalars of a manifest: quality metrics by `HEADLINE_WORDS`, else its counts."""
+    metrics = flatten(manifest.get("metrics", {}))
+    ranked = sorted(
+        (rank, name) for name in metrics
+        for rank in [next((i for i, word in enumerate(HEADLINE_WORDS)
+                           if word in name.rsplit(".", 1)[-1]), None)]
+        if rank is not None)
+    if ranked:
+        chosen = {name: metrics[name] for _, name in ranked}
+    else:
+        chosen = flatten(manifest.get("counts", {})) or metrics
+    return {name: round(value, 4) if isinstance(value, float) else value
+            for name, value in list(chosen.items())[:limit]}
+
+
+def flatten(value: Any, prefix: str = "", max_chars: int = 40) -> dict[str, Any]:
+    """Nested mappings -> {"a.b.c": scalar}: numbers, and strings of at most `max_chars`
+    (which leaves out e.g. sacreBLEU signatures by default), in order."""
+    if isinstance(value, Mapping):
+        flat: dict[str, Any] = {}
+        for key, child in value.items():
+            flat.update(flatten(child, f"{prefix}{key}.", max_chars))
+        return flat
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return {}
+    if isinstance(value, str) and len(value) > max_chars:
+        return {}
+    return {prefix.rstrip("."): value}
+
+
+def partial_exists(config: Config, stage: str) -> bool:
+    """Whether a resumable stage left work in `<stage>/.partial-<key>/` to continue from."""
+    fs, path = artifacts.filesystem(
+        artifacts.join(config.workdir, stage, f".partial-{dag.stage_key(config, stage)}"))
+    return fs.exists(path)
+
+
+def describe(config: Config) -> list[dict[str, Any]]:
+    """One row per stage in topological order: stage, key, uri, state ("complete",
+    "partial": a resumable stage stopped midway, "missing"), what `padir run` would do
+    next ("reuse" or "run (<reason>)") and headline metrics."""
+    rows = []
+    for step in plan(config):
+        row = {"stage": step.stage, "key": step.key, "uri": step.uri, "state": "missing",
+               "next": f"run ({step.reason})" if step.run else "reuse", "metrics": {}}
+        if artifacts.is_complete(step.uri):
+            row.update(state="complete",
+                       metrics=headline_metrics(artifacts.read(step.uri).manifest))
+        elif partial_exists(config, step.stage):
+            row["state"] = "partial"
+        rows.append(row)
+    return rows
+
+
+def report_path(config: Config) -> Optional[str]:
+    """The final report (`report.md` of the score stage's artifact), if it exists yet."""
+    if REPORT_STAGE not in dag.STAGES:
+        return None
+    uri = dag.output_uri(config, REPORT_STAGE)
+    path = artifacts.join(uri, REPORT_FILE)
+    fs, local = artifacts.filesystem(path)
+    return path if artifacts.is_complete(uri) and fs.exists(local) else None

@@ -1,0 +1,322 @@
+"""Translating text with a published training artifact: restore once, decode jitted.
+
+    loaded = load("work/multi30k_en_de/train/<key>")          # LoadedModel (params on device)
+    translator = Translator(loaded, DecodeMethod("padir_4", "padir", iterations=4),
+                            batch_size=1, boundaries=loaded.boundaries)
+    [t] = translator.translate(["A dog runs."])              # Translation
+    t.hypothesis, t.score, t.passes, t.latency_s
+
+`load` reads everything from the artifact itself: the model config from its manifest's
+config section, the vocabulary from the `vocab` artifact its manifest names as an input,
+the length buckets from the `encode` section of its config.yaml, and the parameters of the
+checkpoint the training stage would decode with (the best by the run's `best_metric`; for
+the student, of its last phase). `load_cached` restores each artifact once per process.
+
+Static shapes. A batch of sentences is tokenised (pieces + EOS; a source longer than the
+widest bucket is cut to it, EOS kept, and flagged `truncated`), padded to the smallest
+bucket boundary S that holds its longest source, and decoded into T = `output_width`
+positions: the smallest boundary that holds twice that source, so that targets up to twice
+as long as the source are never cut (Multi30k en-de targets average 1.04x their source).
+Rows are filled up to `batch_size` with copies of the first sentence, whose outputs are
+discarded: a copy finishes when its original does, so filler rows never lengthen a
+`while_loop`. A translator therefore compiles once per (S, T) pair it meets, at most a few
+shapes (`TRACES` counts the traces).
+
+Timing. The first batch of each shape runs once untimed (compilation), then again timed:
+`batch_seconds` is the wall time of the jitted call until `block_until_ready`, host to
+device transfer included, tokenisation and detokenisation excluded. `latency_s` is
+`batch_seconds` at batch size 1; in a larger batch it is `batch_seconds` divided by the
+number of real sentences in the batch (an amortised cost, not a latency a user would see).
+
+Decoder passes per sentence: for the NAR kinds what `model.decoding` reports; for the AR
+kinds the hypothesis length counting EOS (the steps that produced it; beam search may run
+a few more steps before it knows no live beam can win, each over `beam_size` rows).
+Scores: the beam's length-penalised log-probability (`ar_beam`), the mean token
+log-probability of the chosen candidate (NAR kinds), None for `ar_greedy`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from components import artifacts, corpus
+from components import config as config_lib
+from components.config import DecodeMethod
+from components.tokenizer import EOS_ID, MODEL_FILE, PAD_ID, Tokenizer
+from model import checkpoints, decoding, train
+from model.models import ARModel, PaDIRModel
+
+log = logging.getLogger(__name__)
+
+TRAINING_STAGES = ("teacher", "train")
+# Checkpoint restores in this process, by artifact URI (tests assert "once per process"),
+# and traces of the decode functions, by (artifact URI, method name, batch size).
+RESTORES: collections.Counter = collections.Counter()
+TRACES: collections.Counter = collections.Counter()
+_CACHE: dict[tuple[str, str], "LoadedModel"] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A training artifact restored for decoding."""
+
+    uri: str
+    stage: str  # "teacher" (ARModel) or "train" (PaDIRModel)
+    step: int
+    model: Union[ARModel, PaDIRModel]
+    params: Any
+    tokenizer: Tokenizer
+    boundaries: tuple[int, ...]  # the encode stage's length buckets
+
+
+def checkpoint_dir(artifact: artifacts.Artifact) -> str:
+    """The checkpoints a published `teacher` or `train` artifact decodes with (the student's
+    last phase)."""
+    if artifact.stage == "train":
+        phase = "phase2" if artifact.manifest["config"]["train"]["phase2_steps"] else "phase1"
+        return artifact.path("checkpoints", phase)
+    return artifact.path("checkpoints")
+
+
+def restore(model: Any, directory: str, best_metric: Optional[str]) -> tuple[Any, int]:
+    """A model's parameters from a checkpoint directory: the best step by `best_metric`
+    (else the latest), on the default device. Returns (params, step)."""
+    abstract = jax.eval_shape(model.init, jax.random.key(0), train.example_batch(model))
+    params, _, step = checkpoints.restore_params(directory, abstract, best_metric=best_metric)
+    log.info("restored step %d of %s", step, directory)
+    return params, step
+
+
+def _read_text(uri: str) -> str:
+    with fsspec.open(uri, "r") as f:
+        return f.read()
+
+
+def load(uri: str) -> LoadedModel:
+    """Restores a published `teacher` or `train` artifact (see the module docstring).
+
+    Raises:
+      artifacts.IncompleteArtifactError: `uri` has no manifest.
+      config_lib.ConfigError: it is not a training artifact.
+    """
+    artifact = artifacts.read(uri)
+    if artifact.stage not in TRAINING_STAGES:
+        raise config_lib.ConfigError(
+            f"{uri} is a {artifact.stage!r} artifact; decoding needs one of {TRAINING_STAGES}")
+    section = artifact.manifest["config"][artifact.stage]
+    model_config = config_lib.from_dict(config_lib.ModelConfig, section["model"],
+                                        f"{artifact.stage}.model")
+    tokenizer = Tokenizer.load(artifacts.join(artifact.manifest["inputs"]["vocab"], MODEL_FILE))
+    if artifact.stage == "teacher":
+        model = ARModel(model_config, tokenizer.vocab_size)
+    else:
+        model = PaDIRModel(model_config, tokenizer.vocab_size, tokenizer.first_real_id)
+    resolved = yaml.safe_load(_read_text(artifact.path(artifacts.CONFIG)))
+    boundaries = config_lib.from_dict(config_lib.EncodeConfig, resolved["encode"],
+                                      "encode").bucket_boundaries
+    params, step = restore(model, checkpoint_dir(artifact), section["loop"]["best_metric"])
+    RESTORES[uri] += 1
+    return LoadedModel(uri=uri, stage=artifact.stage, step=step, model=model, params=params,
+                       tokenizer=tokenizer, boundaries=tuple(boundaries))
+
+
+def load_cached(uri: str) -> LoadedModel:
+    """`load`, once per process and published artifact (a rerun stage republishes under
+    the same URI with a new manifest, and is restored again)."""
+    manifest = artifacts.read(uri).manifest
+    with _CACHE_LOCK:
+        key = (uri, f"{manifest['created']} {manifest['wall_seconds']}")
+        if key not in _CACHE:
+            _CACHE[key] = load(uri)
+        return _CACHE[key]
+
+
+# --- shapes ---------------------------------------------------------------------------
+
+
+def bucket(length: int, boundaries: Sequence[int]) -> int:
+    """The smallest boundary >= `length` (lengths beyond the widest are cut before)."""
+    for boundary in boundaries:
+        if length <= boundary:
+            return boundary
+    raise ValueError(f"length {length} exceeds the widest bucket {boundaries[-1]}")
+
+
+def output_width(source_length: int, boundaries: Sequence[int]) -> int:
+    """T for a batch whose longest source has `source_length` tokens (EOS included): the
+    smallest boundary that holds twice as many, else the widest."""
+    return bucket(min(2 * source_length, boundaries[-1]), boundaries)
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """The decoding of one sentence (see the module docstring for the definitions)."""
+
+    hypothesis: str
+    tokens: list[int]  # hypothesis ids, EOS included when emitted
+    score: Optional[float]
+    passes: int
+    source_tokens: int  # source ids decoded, EOS included (after any cut)
+    truncated: bool  # the source was cut to the widest bucket
+    latency_s: float
+    batch_seconds: float
+    batch_size: int  # real sentences in the decoded batch
+
+    def as_record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _hypothesis_ids(row: np.ndarray) -> list[int]:
+    """A decoded row up to and including its first EOS (the whole row if it has none)."""
+    ids = [int(i) for i in row]
+    return ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
+
+
+def _decode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Array,
+                  rng: jax.Array, *, max_len: int) -> dict[str, jax.Array]:
+    """One method on one padded batch: int32[B, S] -> {"tokens": int32[B, T],
+    "scores": float32[B], "passes": int32[B]} (scores/passes of AR kinds: see `Translator`)."""
+    batch = source.shape[0]
+    zeros = jnp.zeros((batch,), jnp.float32)
+    if method.kind == "ar_greedy":
+        tokens = model.predict_batch(
+            params, {"source": source, "target": jnp.zeros((batch, max_len), jnp.int32)})
+        return {"tokens": tokens, "scores": zeros, "passes": jnp.zeros((batch,), jnp.int32)}
+    if method.kind == "ar_beam":
+        tokens, scores = model.beam_search(
+            params, {"source": source, "target": jnp.zeros((batch, max_len), jnp.int32)},
+            beam_size=method.beam_size, length_penalty=method.length_penalty)
+        return {"tokens": tokens, "scores": scores, "passes": jnp.zeros((batch,), jnp.int32)}
+    common = dict(num_length_candidates=method.num_length_candidates,
+                  length_offsets=tuple(method.length_offsets), max_len=max_len)
+    if method.kind == "padir":
+        result = decoding.refine(model, params, source, max_iterations=method.iterations,
+                                 init=method.init, rng=rng if method.init == "random" else None,
+                                 **common)
+    elif method.kind == "mask_predict":
+        result = decoding.mask_predict(model, params, source, iterations=method.iterations,
+                                       **common)
+    else:
+        result = decoding.adaptive(model, params, source, tokens_per_step=method.tokens_per_step,
+                                   criterion=method.criterion, **common)
+    return {"tokens": result.tokens, "scores": result.scores, "passes": result.passes}
+
+
+class Translator:
+    """One decoding method over a loaded model, in batches of a fixed size.
+
+    Args:
+      loaded: the restored artifact; its stage must be the method's (`DecodeMethod.stage`).
+      method: what to run.
+      batch_size: rows of every decoder call (sentences are decoded this many at a time).
+      boundaries: the length buckets (default: the artifact's).
+      seed: the key of `init="random"` (the same key for every batch, so a sentence decoded
+        at batch size 1 always gets the same initial hypothesis).
+    """
+
+    def __init__(self, loaded: LoadedModel, method: DecodeMethod, *, batch_size: int,
+                 boundaries: Optional[Sequence[int]] = None, seed: int = 0):
+        if method.stage != loaded.stage:
+            raise config_lib.ConfigError(
+                f"method {method.name!r} ({method.kind}) decodes with a {method.stage!r} "
+                f"artifact, not {loaded.uri} ({loaded.stage!r})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.loaded = loaded
+        self.method = method
+        self.batch_size = batch_size
+        self.boundaries = tuple(boundaries or loaded.boundaries)
+        config = loaded.model.config
+        if self.boundaries[-1] > min(config.max_source_len, config.max_target_len):
+            raise ValueError(f"bucket {self.boundaries[-1]} is wider than the model's "
+                             f"max_source_len/max_target_len")
+        self._rng = jax.random.key(seed)
+        self._warm: set[tuple[int, int]] = set()
+        trace_key = (loaded.uri, method.name, batch_size)
+
+        def traced(params, source, rng, *, max_len):
+            TRACES[trace_key] += 1  # a Python side effect: runs once per trace
+            return _decode_batch(loaded.model, method, params, source, rng, max_len=max_len)
+
+        self._jit_decode = jax.jit(traced, static_argnames=("max_len",))
+
+    def translate(self, sources: Sequence[str]) -> list[Translation]:
+        """Translations of `sources`, in order, decoded `batch_size` at a time."""
+        if isinstance(sources, str):
+            raise TypeError("translate takes a sequence of strings; wrap one in a list")
+        out: list[Translation] = []
+        for start in range(0, len(sources), self.batch_size):
+            out.extend(self._translate_batch(sources[start:start + self.batch_size]))
+        return out
+
+    def _translate_batch(self, sources: Sequence[str]) -> list[Translation]:
+        widest = self.boundaries[-1]
+        pieces = self.loaded.tokenizer.encode(list(sources))
+        rows = [ids[:widest - 1] + [EOS_ID] for ids in pieces]
+        longest = max(len(row) for row in rows)
+        width, max_len = bucket(longest, self.boundaries), output_width(longest, self.boundaries)
+        source = np.full((self.batch_size, width), PAD_ID, np.int32)
+        for i in range(self.batch_size):
+            row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence
+            source[i, :len(row)] = row
+        if (width, max_len) not in self._warm:  # compile outside the timed call
+            jax.block_until_ready(self._call(source, max_len))
+            self._warm.add((width, max_len))
+        started = time.perf_counter()
+        output = jax.block_until_ready(self._call(source, max_len))
+        seconds = time.perf_counter() - started
+        output = jax.device_get(output)
+        translations = []
+        for i, row in enumerate(rows):
+            tokens = _hypothesis_ids(output["tokens"][i])
+            ar = self.method.stage == "teacher"
+            translations.append(Translation(
+                hypothesis=self.loaded.tokenizer.decode(tokens),
+                tokens=tokens,
+                score=None if self.method.kind == "ar_greedy" else float(output["scores"][i]),
+                passes=len(tokens) if ar else int(output["passes"][i]),
+                source_tokens=len(row),
+                truncated=len(pieces[i]) + 1 > widest,
+                latency_s=seconds / len(rows),
+                batch_seconds=seconds,
+                batch_size=len(rows),
+            ))
+        return translations
+
+    def _call(self, source: np.ndarray, max_len: int) -> dict[str, jax.Array]:
+        return self._jit_decode(self.loaded.params, source, self._rng, max_len=max_len)
+
+
+def translate_lines(uri: str, method: DecodeMethod, lines: Iterable[str], *,
+                    batch_size: int = 16) -> Iterator[str]:
+    """Translations of text lines with the artifact at `uri`, one output line per input
+    line. Lines are normalised as the prepare stage normalises sources
+    (`corpus.normalise`); one that is then empty gives an empty output line. Lines are
+    read `batch_size` at a time, so a stream is translated as it arrives."""
+    translator = Translator(load(uri), method, batch_size=batch_size)
+    pending: list[str] = []
+
+    def flush() -> Iterator[str]:
+        texts = [text for text in pending if text]
+        translated = iter(translator.translate(texts)) if texts else iter(())
+        for text in pending:
+            yield next(translated).hypothesis if text else ""
+        pending.clear()
+
+    for line in lines:
+        pending.append(corpus.normalise(line))
+        if len(pending) == batch_size:
+            yield from flush()
+    yield from flush()

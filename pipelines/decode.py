@@ -1,0 +1,280 @@
+"""The `decode` stage: every decoding method on every test set, with latency and throughput.
+
+Contract:
+  reads   the `prepare` artifact's test splits (`config.data.test` by name, or the carved
+          `test`): `{split}-SSSSS-of-NNNNN.jsonl` of `{"id", "source", "target"}`; the
+          `teacher` artifact (AR methods) and the `train` artifact (NAR methods), only
+          those the configured methods need; each names its vocabulary.
+  writes  `<workdir>/decode/<key>/`:
+            hypotheses/{test_set}/{method}.jsonl   the latency pass, at
+                `decode.latency_batch_size` (1): one line per sentence, in id order,
+                `{"id", "hypothesis", "latency_s", "passes", "source_tokens", "score",
+                "hypothesis_tokens", "truncated"}`; these are the hypotheses that are scored;
+            throughput/{test_set}/{method}.jsonl   the same, decoded batched at
+                `decode.throughput_batch_size` (`latency_s` is then the batch's decode time
+                divided by its sentences);
+            manifest.json   counts `read.{test_set}`, `decoded.{test_set}.{method}.{pass}`,
+                `truncated.{test_set}`; metrics `test_sets`, `methods` (in config order:
+                name, kind, stage) and `throughput` (per test set and method: batch size,
+                sentences, hypothesis tokens, seconds, sentences/s, tokens/s).
+  With `decode.max_sentences` set, only the first N sentences of each test set (by id).
+
+Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
+model/inference.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
+Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
+counted), never dropped. Each method x test set x pass is one RunInference; the
+checkpoints are restored once per worker process (pipelines/inference.py).
+
+Run it alone, locally (the in-process FnApiRunner, which runs one decode at a time, as the
+timings need):
+
+    PADIR_DATA_ROOT=/path/to/data python -m pipelines.decode --config configs/multi30k_en_de.yaml
+
+or on Dataflow (the workdir must then be a gs:// path; one SDK process and one thread per
+VM, so that timed decodes do not share the CPU):
+
+    python -m pipelines.decode --config configs/multi30k_en_de.yaml \
+        --set workdir=gs://BUCKET/padir --runner DataflowRunner --project PROJECT \
+        --region REGION --temp_location gs://BUCKET/tmp --sdk_container_image IMAGE \
+        --experiments=no_use_multiple_sdk_containers --number_of_worker_harness_threads=1
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Iterator, Mapping, Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, RunInference
+
+from components import artifacts, corpus, dag, report
+from components import config as config_lib
+from pipelines import options as options_lib
+from pipelines.inference import TranslationModelHandler
+
+NAMESPACE = "decode"  # of the Beam counters that become the manifest's counts
+HYPOTHESES, THROUGHPUT = "hypotheses", "throughput"  # the two passes' folders
+SUFFIX = ".jsonl"
+
+
+def decoded_splits(data: config_lib.DataConfig) -> tuple[str, ...]:
+    """The prepared splits that are decoded: the named test sets, or the carved `test`."""
+    return tuple(s for s in corpus.output_splits(data) if s not in (corpus.TRAIN, corpus.DEV))
+
+
+def output_path(artifact_uri: str, folder: str, test_set: str, method: str) -> str:
+    """`{artifact}/{hypotheses|throughput}/{test_set}/{method}.jsonl`."""
+    return artifacts.join(artifact_uri, folder, test_set, method + SUFFIX)
+
+
+# --- element logic and transforms --------------------------------------------------------
+
+
+def to_record(pair_id: str, result: PredictionResult) -> dict:
+    """(id, PredictionResult) -> the line written for one sentence."""
+    inference = result.inference
+    return {
+        "id": pair_id,
+        "hypothesis": inference["hypothesis"],
+        "latency_s": inference["latency_s"],
+        "passes": inference["passes"],
+        "source_tokens": inference["source_tokens"],
+        "score": inference["score"],
+        "hypothesis_tokens": len(inference["tokens"]),
+        "truncated": inference["truncated"],
+    }
+
+
+def _counted(element, counter_name: str):
+    Metrics.counter(NAMESPACE, counter_name).inc()
+    return element
+
+
+def _sorted_lines(records: list[dict]) -> Iterator[str]:
+    for record in sorted(records, key=lambda r: corpus.id_sort_key(r["id"])):
+        yield json.dumps(record, ensure_ascii=False)
+
+
+class ReadTestSet(beam.PTransform):
+    """A prepared split -> `{"id", "source", "target"}` dicts (the first `max_sentences`
+    by id, if set), counted as `read.{split}`."""
+
+    def __init__(self, pattern: str, split: str, max_sentences: Optional[int]):
+        super().__init__()
+        self._pattern = pattern
+        self._split = split
+        self._max_sentences = max_sentences
+
+    def expand(self, pbegin):
+        pairs = (pbegin
+                 | "Read" >> beam.io.ReadFromText(self._pattern)
+                 | "ParseJson" >> beam.Map(json.loads))
+        if self._max_sentences is not None:
+            pairs = (pairs
+                     | "FirstById" >> beam.combiners.Top.Smallest(
+                         self._max_sentences, key=lambda pair: corpus.id_sort_key(pair["id"]))
+                     | "Flatten" >> beam.FlatMap(lambda pairs: pairs))
+        return pairs | "Count" >> beam.Map(_counted, f"read.{self._split}")
+
+
+class DecodeAndWrite(beam.PTransform):
+    """(id, source) pairs -> one method's records, written in id order to `path`.
+
+    Counts the records as `counter_name`, and the truncated sources as `truncated_counter`
+    if given (truncation depends on the source only: one pass per test set counts it).
+    """
+
+    def __init__(self, handler: TranslationModelHandler, path: str, counter_name: str,
+                 truncated_counter: Optional[str] = None):
+        super().__init__()
+        self._handler = handler
+        self._path = path
+        self._counter_name = counter_name
+        self._truncated_counter = truncated_counter
+
+    def expand(self, sources):
+        records = (
+            sources
+            | "RunInference" >> RunInference(KeyedModelHandler(self._handler))
+            | "ToRecord" >> beam.MapTuple(to_record)
+            | "Count" >> beam.Map(_counted, self._counter_name)
+        )
+        if self._truncated_counter is not None:
+            records = records | "CountTruncated" >> beam.Map(_count_truncated,
+                                                             self._truncated_counter)
+        return (
+            records
+            | "Gather" >> beam.combiners.ToList()
+            | "SortById" >> beam.FlatMap(_sorted_lines)
+            | "Write" >> beam.io.WriteToText(self._path, num_shards=1, shard_name_template="")
+        )
+
+
+def _count_truncated(record: dict, counter_name: str) -> dict:
+    if record["truncated"]:
+        Metrics.counter(NAMESPACE, counter_name).inc()
+    return record
+
+
+# --- the job --------------------------------------------------------------------------------
+
+
+def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: str,
+          checkpoints: Mapping[str, str], output_uri: str) -> None:
+    """Adds, per test set, its reading and one `DecodeAndWrite` per method and pass.
+
+    Args:
+      checkpoints: stage ("teacher", "train") -> artifact URI, for the stages the methods use.
+    """
+    settings = config.decode
+    passes = ((HYPOTHESES, "latency", settings.latency_batch_size),
+              (THROUGHPUT, "throughput", settings.throughput_batch_size))
+    for split in decoded_splits(config.data):
+        sources = (
+            pipeline
+            | f"Read[{split}]" >> ReadTestSet(corpus.split_pattern(prepared_uri, split), split,
+                                             settings.max_sentences)
+            | f"Sources[{split}]" >> beam.Map(lambda pair: (pair["id"], pair["source"]))
+        )
+        for method in settings.methods:
+            for folder, name, batch_size in passes:
+                handler = TranslationModelHandler(
+                    checkpoints[method.stage], method, batch_size=batch_size,
+                    boundaries=config.encode.bucket_boundaries, seed=config.seed)
+                first = folder == HYPOTHESES and method is settings.methods[0]
+                _ = sources | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
+                    handler, output_path(output_uri, folder, split, method.name),
+                    f"decoded.{split}.{method.name}.{name}",
+                    truncated_counter=f"truncated.{split}" if first else None)
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def collect_counts(result, config: config_lib.Config) -> dict[str, int]:
+    """The job's counters, with a zero for every test set, method and pass that saw none."""
+    counts = {}
+    for split in decoded_splits(config.data):
+        counts.update({f"read.{split}": 0, f"truncated.{split}": 0})
+        for method in config.decode.methods:
+            counts.update({f"decoded.{split}.{method.name}.{name}": 0
+                           for name in ("latency", "throughput")})
+    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+    for counter in found["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        name = counter.key.metric.name
+        counts[name] = counts.get(name, 0) + value
+    return dict(sorted(counts.items()))
+
+
+def _check_accounting(counts: Mapping[str, int], config: config_lib.Config) -> None:
+    """Every sentence read is decoded by every method in both passes: none is dropped."""
+    for split in decoded_splits(config.data):
+        read = counts[f"read.{split}"]
+        wrong = {name: value for name, value in counts.items()
+                 if name.startswith(f"decoded.{split}.") and value != read}
+        if wrong or not read:
+            raise RuntimeError(f"decode: {read} sentences of {split} read, but decoded {wrong}")
+
+
+def _read_records(uri: str) -> list[dict]:
+    fs, path = artifacts.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        return [json.loads(line) for line in f.read().split(b"\n") if line]
+
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Decodes every test set with every method; publishes the decode artifact."""
+    logging.info("decode stage, config:\n%s", config_lib.dump(config))
+    prepared = dag.require_input(config, "prepare")
+    for split in decoded_splits(config.data):  # structural errors before any work starts
+        fs, pattern = artifacts.filesystem(corpus.split_pattern(prepared.uri, split))
+        if not fs.glob(pattern):
+            raise FileNotFoundError(f"prepare artifact {prepared.uri} has no {split} split")
+    needed = sorted({method.stage for method in config.decode.methods})
+    checkpoints = {stage: dag.require_input(config, stage).uri for stage in needed}
+    with artifacts.write(
+        config.workdir, "decode", dag.stage_key(config, "decode"),
+        config=dag.section_values(config, "decode"),
+        config_yaml=config_lib.dump(config),
+        inputs={"prepare": prepared.uri, **checkpoints},
+    ) as out:
+        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+        build(pipeline, config, prepared_uri=prepared.uri, checkpoints=checkpoints,
+              output_uri=out.tmp_uri)
+        result = pipeline.run()
+        result.wait_until_finish()
+        counts = collect_counts(result, config)
+        _check_accounting(counts, config)
+        out.counts.update(counts)
+        out.metrics.update(
+            test_sets=list(decoded_splits(config.data)),
+            methods=[{"name": method.name, "kind": method.kind, "stage": method.stage}
+                     for method in config.decode.methods],  # a list: config order
+            throughput={
+                split: {method.name: report.throughput(
+                    _read_records(output_path(out.tmp_uri, THROUGHPUT, split, method.name)),
+                    config.decode.throughput_batch_size)
+                    for method in config.decode.methods}
+                for split in decoded_splits(config.data)})
+    artifact = artifacts.read(dag.output_uri(config, "decode"))
+    logging.info("decode: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
+    return artifact
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
+    artifact = run(config, beam_args=beam_args)
+    print(f"decode: {artifact.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package so pickled functions refer to `pipelines.decode`, not `__main__`.
+    from pipelines import decode as _decode
+
+    sys.exit(_decode.main(sys.argv[1:]))

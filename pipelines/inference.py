@@ -1,0 +1,92 @@
+"""A RunInference model handler for our JAX translation models (teacher or PaDIR student).
+
+    handler = TranslationModelHandler(artifact_uri, DecodeMethod("ar_beam4", "ar_beam"),
+                                      batch_size=64, boundaries=(16, 32, 64), seed=0)
+    (pcoll_of_id_and_source_text
+     | RunInference(KeyedModelHandler(handler))     # -> (id, PredictionResult)
+     | beam.MapTuple(lambda pair_id, result: ...))   # result.inference: a dict, below
+
+Examples are source sentences (text); each PredictionResult carries the source as
+`example`, the artifact URI as `model_id`, and as `inference` the record of
+`model.inference.Translation`: `hypothesis`, `tokens`, `score` (the beam's length-penalised
+log-probability for `ar_beam`, the mean token log-probability for the NAR kinds, None for
+greedy), `passes`, `source_tokens`, `truncated`, `latency_s`, `batch_seconds`,
+`batch_size`. Shapes, timing and the definitions: model/inference.py.
+
+Loading. `load_model` runs once per RunInference transform and worker process (Beam's
+`shared.Shared` in the RunInference DoFn; the model is not shared across processes, since
+JAX owns a process's devices). The checkpoint itself is restored once per process and
+artifact however many transforms decode with it (`model.inference.load_cached`), and each
+load builds the method's jitted decoder, which compiles once per batch shape it meets.
+JAX is imported by `load_model`, in the worker, never when the pipeline is constructed.
+
+Batching. `batch_elements_kwargs` makes RunInference batch exactly `batch_size`
+sentences (a bundle's last batch may be smaller; the decoder still runs `batch_size` rows).
+Timings are only meaningful when one decode runs at a time on a worker: the in-process
+FnApiRunner does that; on Dataflow use one SDK process and one harness thread per VM
+(`--experiments=no_use_multiple_sdk_containers --number_of_worker_harness_threads=1`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+
+from components.config import DecodeMethod
+
+NAMESPACE = "padir_inference"  # RunInference's own metrics (load time, inference counts)
+# load_model calls in this process, by (artifact URI, method name, batch size).
+LOADS: collections.Counter = collections.Counter()
+
+
+class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
+    """Source text -> PredictionResult(example=source, inference=translation record).
+
+    Args:
+      artifact_uri: a published `teacher` (AR kinds) or `train` (NAR kinds) artifact.
+      method: the decoding method.
+      batch_size: sentences per decoder call (and per RunInference batch).
+      boundaries: the length buckets; default: those of the artifact's config.
+      seed: the key of `init="random"` (model/inference.py).
+    """
+
+    def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
+                 boundaries: Optional[Sequence[int]] = None, seed: int = 0):
+        super().__init__(min_batch_size=batch_size, max_batch_size=batch_size)
+        self._artifact_uri = artifact_uri
+        self._method = method
+        self._batch_size = batch_size
+        self._boundaries = tuple(boundaries) if boundaries else None
+        self._seed = seed
+
+    def load_model(self):
+        """The checkpoint (restored once per process) and the method's jitted decoder."""
+        from model import inference  # JAX starts here, in the worker
+
+        LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
+        return inference.Translator(
+            inference.load_cached(self._artifact_uri), self._method,
+            batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed)
+
+    def run_inference(self, batch: Sequence[str], model: Any,
+                      inference_args: Optional[dict[str, Any]] = None
+                      ) -> Iterable[PredictionResult]:
+        translations = model.translate(list(batch))
+        for source, translation in zip(batch, translations):
+            yield PredictionResult(source, translation.as_record(), self._artifact_uri)
+
+    def validate_inference_args(self, inference_args: Optional[dict[str, Any]]) -> None:
+        if inference_args:
+            raise ValueError("TranslationModelHandler takes no inference_args: the method "
+                             f"and its options are fixed when it is built, got {inference_args}")
+
+    def batch_elements_kwargs(self) -> Mapping[str, Any]:
+        return {"min_batch_size": self._batch_size, "max_batch_size": self._batch_size}
+
+    def share_model_across_processes(self) -> bool:
+        return False
+
+    def get_metrics_namespace(self) -> str:
+        return NAMESPACE

@@ -1,0 +1,31 @@
+"""Shared test set-up. Prefect never touches the user's ~/.prefect or a configured server.
+
+Set here, before any test module imports Prefect (it reads these when it is imported):
+PREFECT_HOME is a fresh temporary directory (profiles, SQLite databases, default result
+storage), no PREFECT_API_URL is inherited, and no Prefect server sends telemetry.
+Tests that run flows request the session-scoped `prefect_harness` (one temporary server
+for the whole session, started only if some selected test needs it).
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+import pytest
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="padir-test-prefect-")
+atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.pop("PREFECT_API_URL", None)
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A temporary Prefect API on loopback with a throwaway SQLite database."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    # Loaded 2-core CI machines take well over Prefect's default 30 s to start it.
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,256 @@
+"""The decoding path on tiny data: model/inference.py (Translator), pipelines/inference.py
+(the RunInference handler), pipelines/decode.py (the stage), components/score.py and
+components/report.py (the score stage), and `padir translate`.
+
+The fixture runs the real prepare and vocab stages on the tiny Multi30k slice
+(tests/tiny_experiment.py), then publishes *untrained* teacher and train artifacts through
+the real artifact and checkpoint modules (`publish_untrained`), in seconds: training the
+tiny models costs ~2 minutes and is covered by tests/test_stages.py. Decoding reads them
+exactly as it reads trained ones; the hypotheses are nonsense, which no test here minds.
+"""
+
+import io
+import json
+
+import apache_beam as beam
+import jax
+import jax.numpy as jnp
+import pytest
+import sacrebleu
+from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+from apache_beam.testing import test_pipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from components import artifacts, corpus, dag, report
+from components import score as score_stage
+from components import config as config_lib
+from components.config import ConfigError, DecodeMethod
+from flows import cli
+from model import inference
+from pipelines import decode
+from pipelines import inference as beam_inference
+from tiny_experiment import tiny_config
+
+METHODS = [  # every kind, each as cheap as it gets
+    {"name": "greedy", "kind": "ar_greedy"},
+    {"name": "beam2", "kind": "ar_beam", "beam_size": 2},
+    {"name": "padir_2", "kind": "padir", "iterations": 2},
+    {"name": "mp_2", "kind": "mask_predict", "iterations": 2},
+    {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
+]
+MAX_SENTENCES = 6
+BUCKETS = (16, 32, 64)  # the handler tests' buckets (the stage's config has one: [64])
+
+
+def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifact:
+    """A `teacher` or `train` artifact as its stage lays it out, with initial parameters."""
+    from model import checkpoints, stages, train
+
+    tokenizer = stages.load_tokenizer(config)
+    make = stages.teacher_model if stage == "teacher" else stages.student_model
+    model = make(config, tokenizer)
+    params = model.init(jax.random.key(1), train.example_batch(model))
+    inputs = {name: dag.output_uri(config, name) for name in dag.STAGES[stage].inputs}
+    with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
+                         config=dag.section_values(config, stage),
+                         config_yaml=config_lib.dump(config), inputs=inputs) as out:
+        manager = checkpoints.open_manager(
+            out.path("checkpoints", *(("phase2",) if stage == "train" else ())),
+            best_metric=config.section(stage).loop.best_metric)
+        state = train.TrainState(step=jnp.array(1, jnp.int32), params=params,
+                                 opt_state={"count": jnp.zeros((), jnp.int32)},
+                                 rng=jax.random.PRNGKey(0))
+        checkpoints.save(manager, state, position=1, metrics={"bleu": 0.0, "loss": 1.0})
+        manager.wait_until_finished()
+        manager.close()
+    return artifacts.read(dag.output_uri(config, stage))
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    config = tiny_config(
+        str(tmp_path_factory.mktemp("decode")), f"decode.methods={json.dumps(METHODS)}",
+        f"decode.max_sentences={MAX_SENTENCES}", "decode.throughput_batch_size=4",
+        # One bucket: one compiled shape per method and pass keeps the stage test quick.
+        "encode.bucket_boundaries=[64]")
+    for stage in ("prepare", "vocab"):
+        cli.run_stage(stage, config)
+    for stage in ("teacher", "train"):
+        publish_untrained(config, stage)
+    return config
+
+
+def _uri(config, stage: str) -> str:
+    return dag.output_uri(config, stage)
+
+
+def _sentences(config, count: int, lengths: range) -> list[str]:
+    """`count` distinct word prefixes of test sentences whose token count (with EOS) is in
+    `lengths`, so that they fall in one length bucket and one output width."""
+    tokenizer = inference.load_cached(_uri(config, "train")).tokenizer
+    found = []
+    for pair in corpus.read_split(dag.output_uri(config, "prepare"), "test2016"):
+        words = pair["source"].split()
+        for end in range(1, len(words) + 1):
+            text = " ".join(words[:end])
+            if len(tokenizer.encode([text])[0]) + 1 in lengths and text not in found:
+                found.append(text)
+                break
+        if len(found) == count:
+            return found
+    raise AssertionError(f"not {count} test sentence prefixes of {lengths} tokens")
+
+
+# --- config ------------------------------------------------------------------------------
+
+
+def test_decode_methods_refuse_options_their_kind_does_not_read():
+    assert DecodeMethod("p", "padir", iterations=10).stage == "train"
+    assert DecodeMethod("b", "ar_beam", beam_size=8).stage == "teacher"
+    with pytest.raises(ConfigError, match="'beam_size' does not apply to kind padir"):
+        DecodeMethod("p", "padir", beam_size=8)
+    with pytest.raises(ConfigError, match="given twice"):
+        config_lib.DecodeConfig(methods=(DecodeMethod("a", "ar_greedy"),) * 2)
+    assert [m.kind for m in config_lib.DecodeConfig().methods].count("padir") == 4
+
+
+# --- the handler -------------------------------------------------------------------------
+
+
+def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
+    uri = _uri(config, "train")
+    method = DecodeMethod("padir_2", "padir", iterations=2)
+    sources = _sentences(config, 10, range(9, 17))  # bucket 16, output width 32
+    handler = beam_inference.TranslationModelHandler(uri, method, batch_size=2,
+                                                     boundaries=BUCKETS)
+    load_key, trace_key = (uri, "padir_2", 2), (uri, "padir_2", 2)
+    loads, traces = beam_inference.LOADS[load_key], inference.TRACES[trace_key]
+    restores = inference.RESTORES[uri]
+    with test_pipeline.TestPipeline() as p:
+        results = (p
+                   | beam.Create(list(enumerate(sources)))
+                   | RunInference(KeyedModelHandler(handler))
+                   | beam.MapTuple(lambda i, result: (i, result.example,
+                                                      result.inference["batch_size"] <= 2)))
+        assert_that(results, equal_to([(i, s, True) for i, s in enumerate(sources)]))
+    assert beam_inference.LOADS[load_key] - loads == 1  # 5+ batches, one load
+    assert inference.TRACES[trace_key] - traces == 1  # lengths 9..16: one shape
+    assert inference.RESTORES[uri] - restores <= 1 and inference.RESTORES[uri] >= 1
+
+
+def test_translator_pads_to_buckets_and_times_each_batch(config):
+    loaded = inference.load_cached(_uri(config, "teacher"))
+    translator = inference.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
+                                      boundaries=BUCKETS)
+    key = (loaded.uri, "g", 3)
+    short = _sentences(config, 4, range(2, 9))  # bucket 16, width 16
+    long = _sentences(config, 1, range(17, 33))  # bucket 32, width 64
+    first = translator.translate(short)
+    assert inference.TRACES[key] == 1
+    assert len(first) == 4 and [t.batch_size for t in first] == [3, 3, 3, 1]
+    assert all(t.latency_s > 0 and t.passes == len(t.tokens) and t.score is None for t in first)
+    assert first[3].latency_s == first[3].batch_seconds  # a batch of one is not divided
+    assert first[0].latency_s == pytest.approx(first[0].batch_seconds / 3)
+    assert translator.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
+    assert inference.TRACES[key] == 2  # the long sentence's bucket; no other shape
+    with pytest.raises(ConfigError, match="decodes with a 'train' artifact"):
+        inference.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
+
+
+# --- the decode and score stages ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoded(config):
+    return cli.run_stage("decode", config)
+
+
+def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
+    ids = [pair["id"] for pair in corpus.read_split(_uri(config, "prepare"), "test2016")]
+    expected = ids[:MAX_SENTENCES]
+    counts = decoded.manifest["counts"]
+    assert counts["read.test2016"] == MAX_SENTENCES
+    assert decoded.manifest["metrics"]["test_sets"] == ["test2016"]
+    assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "train"}
+    for method in METHODS:
+        for folder, name in ((decode.HYPOTHESES, "latency"), (decode.THROUGHPUT, "throughput")):
+            path = decode.output_path(decoded.uri, folder, "test2016", method["name"])
+            with open(path) as f:
+                records = [json.loads(line) for line in f]
+            assert [r["id"] for r in records] == expected, (method, folder)
+            assert counts[f"decoded.test2016.{method['name']}.{name}"] == MAX_SENTENCES
+            assert all(r["latency_s"] > 0 and r["passes"] >= 1 and r["source_tokens"] >= 2
+                       for r in records)
+        speed = decoded.manifest["metrics"]["throughput"]["test2016"][method["name"]]
+        assert speed["sentences"] == MAX_SENTENCES and speed["batch_size"] == 4
+        assert speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
+
+
+def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
+    scored = cli.run_stage("score", config)
+    with open(scored.path(score_stage.REPORT_JSON)) as f:
+        content = json.load(f)
+    entry = content["test_sets"]["test2016"]
+    assert [m["method"] for m in entry["methods"]] == [m["name"] for m in METHODS]
+    assert entry["baselines"] == {"ar_greedy": "greedy", "ar_beam": "beam2"}
+    references = {p["id"]: p["target"]
+                  for p in corpus.read_split(_uri(config, "prepare"), "test2016")}
+    for method in entry["methods"]:
+        path = decode.output_path(decoded.uri, decode.HYPOTHESES, "test2016", method["method"])
+        with open(path) as f:
+            records = [json.loads(line) for line in f]
+        hypotheses = [r["hypothesis"] for r in records]
+        refs = [[references[r["id"]] for r in records]]
+        assert method["bleu"]["score"] == pytest.approx(
+            sacrebleu.corpus_bleu(hypotheses, refs).score)
+        assert method["chrf"]["score"] == pytest.approx(
+            sacrebleu.corpus_chrf(hypotheses, refs).score)
+        assert method["bleu_tok_lc"]["score"] == pytest.approx(
+            sacrebleu.corpus_bleu(hypotheses, refs, lowercase=True).score)
+        assert "tok:13a" in method["bleu"]["signature"]
+        assert method["latency_s"]["count"] == MAX_SENTENCES
+        assert set(method["speedup"]) == {"vs_greedy", "vs_beam2"}
+        assert method["speedup"]["vs_greedy"]["median"] > 0
+    with open(scored.path(score_stage.REPORT_MD)) as f:
+        markdown = f.read()
+    assert all(f"| {m['name']} |" in markdown for m in METHODS)
+    for plot in report.PLOTS:
+        with open(scored.path("plots", "test2016", f"{plot}.png"), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_scores_agree_with_sacrebleu_on_real_text(config):
+    pairs = list(corpus.read_split(_uri(config, "prepare"), "test2016"))[:40]
+    references = [p["target"] for p in pairs]
+    hypotheses = [" ".join(r.split()[:-2] + r.split()[-1:]) for r in references]  # a word out
+    records = [{"hypothesis": h, "latency_s": 0.01 * (i + 1), "passes": 2}
+               for i, h in enumerate(hypotheses)]
+    result = report.score_method("m", "padir", records, references, {"sentences_per_s": 5.0})
+    assert result.bleu.score == pytest.approx(
+        sacrebleu.corpus_bleu(hypotheses, [references]).score)
+    assert 50 < result.bleu.score < 100
+    assert result.chrf.score == pytest.approx(
+        sacrebleu.corpus_chrf(hypotheses, [references]).score)
+    assert result.latency.median == pytest.approx(0.205)
+
+
+# --- padir translate ---------------------------------------------------------------------
+
+
+def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch, capsys):
+    uri = _uri(config, "train")
+    sentences = _sentences(config, 2, range(2, 17))
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{sentences[0]}\n\n  {sentences[1]} \n"))
+    assert cli.main(["translate", "--checkpoint", uri, "--method", "padir",
+                     "--iterations", "2", "--batch-size", "2"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+    translator = inference.Translator(inference.load_cached(uri),
+                                      DecodeMethod("padir", "padir", iterations=2),
+                                      batch_size=2)
+    # The command decodes each line alone here (a blank line fills its batch of 2).
+    assert [lines[0], lines[2]] == [translator.translate([s])[0].hypothesis for s in sentences]
+    with pytest.raises(SystemExit) as error:
+        cli.main(["translate", "--checkpoint", uri, "--method", "padir", "--beam-size", "8"])
+    assert error.value.code == 2
+    assert "'beam_size' does not apply" in capsys.readouterr().err

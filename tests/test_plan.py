@@ -1,0 +1,107 @@
+"""flows/plan.py: which stages a run executes, decided before it starts (no Prefect)."""
+
+import shutil
+
+import pytest
+
+from components import artifacts, dag
+from components import config as config_lib
+from flows import cli, plan
+
+DIAMOND = {  # registration order deliberately not topological
+    "report": dag.StageSpec(sections=(), inputs=("left", "right")),
+    "left": dag.StageSpec(sections=(), inputs=("root",)),
+    "root": dag.StageSpec(sections=(), inputs=()),
+    "right": dag.StageSpec(sections=(), inputs=("root",)),
+}
+
+
+def write_fake_artifact(config, stage):
+    with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
+                         config=dag.section_values(config, stage), inputs={}) as out:
+        out.counts["pairs"] = 3
+        out.metrics.update(dev={"bleu": 12.345678, "loss": 2.5}, signature="x" * 80)
+
+
+@pytest.fixture
+def config(tmp_path):
+    return config_lib.from_dict(config_lib.Config, {
+        "workdir": str(tmp_path / "work"),
+        "data": {"train": {"source": "a.en", "target": "a.de"}}})
+
+
+def test_topological_order_puts_every_stage_after_its_inputs():
+    assert plan.topological_order(DIAMOND) == ["root", "left", "right", "report"]
+    assert plan.downstream("left", DIAMOND) == ["left", "report"]
+    order = plan.topological_order()
+    assert sorted(order) == sorted(dag.STAGES)
+    for stage in order:
+        assert all(order.index(up) < order.index(stage) for up in dag.STAGES[stage].inputs)
+
+
+def test_a_cycle_or_an_unknown_input_is_an_error():
+    with pytest.raises(config_lib.ConfigError, match="cycle"):
+        plan.topological_order({"a": dag.StageSpec((), ("b",)), "b": dag.StageSpec((), ("a",))})
+    with pytest.raises(config_lib.ConfigError, match="unknown stage 'nope'"):
+        plan.topological_order({"a": dag.StageSpec((), ("nope",))})
+
+
+def test_nothing_built_runs_everything(config):
+    steps = plan.plan(config)
+    assert [s.stage for s in steps] == plan.topological_order()
+    assert all(s.run and s.reason == "no complete artifact" for s in steps)
+    assert all(s.uri == dag.output_uri(config, s.stage) for s in steps)
+
+
+def test_complete_stages_are_reused_and_a_missing_one_reruns_with_its_dependents(config):
+    for stage in plan.topological_order():
+        write_fake_artifact(config, stage)
+    assert not any(s.run for s in plan.plan(config))
+    stage = dag.STAGES["encode"].inputs[-1]  # an inner stage
+    shutil.rmtree(dag.output_uri(config, stage))
+    running = [s.stage for s in plan.plan(config) if s.run]
+    assert running == plan.downstream(stage)
+
+
+def test_from_force_and_only_select_stages(config):
+    for stage in plan.topological_order():
+        write_fake_artifact(config, stage)
+    assert [s.stage for s in plan.plan(config, from_stage="train") if s.run] == \
+        plan.downstream("train")
+    assert [s.stage for s in plan.plan(config, force=["vocab"]) if s.run] == \
+        plan.downstream("vocab")
+    only = plan.plan(config, only="vocab")
+    assert [(s.stage, s.run) for s in only] == [("vocab", False)]
+    assert plan.plan(config, only="vocab", force=["vocab"])[0].reason == "forced"
+    with pytest.raises(config_lib.ConfigError, match="--only: unknown stage .vocabulary."):
+        plan.plan(config, only="vocabulary")
+
+
+def test_only_refuses_a_stage_whose_inputs_are_missing(config):
+    with pytest.raises(config_lib.ConfigError, match="--only encode: its input stage") as error:
+        plan.plan(config, only="encode")
+    assert all(repr(name) in str(error.value) for name in dag.STAGES["encode"].inputs)
+
+
+def test_describe_and_padir_status_show_state_key_and_headline_metrics(config, tmp_path,
+                                                                       capsys):
+    write_fake_artifact(config, "prepare")
+    rows = {row["stage"]: row for row in plan.describe(config)}
+    assert rows["prepare"]["state"] == "complete" and rows["prepare"]["next"] == "reuse"
+    assert rows["prepare"]["metrics"] == {"dev.bleu": 12.3457, "dev.loss": 2.5}
+    assert rows["vocab"]["state"] == "missing"
+    assert rows["vocab"]["next"] == "run (no complete artifact)"
+
+    path = tmp_path / "c.yaml"
+    path.write_text(config_lib.dump(config))
+    assert cli.main(["status", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"prepare  complete {dag.stage_key(config, 'prepare')}" in out
+    assert "dev.bleu=12.3457" in out and "x" * 80 not in out
+
+
+def test_padir_report_says_clearly_when_there_is_none_yet(config, tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(config_lib.dump(config))
+    assert cli.main(["report", str(path)]) == 1
+    assert "no report" in capsys.readouterr().err
