@@ -337,6 +337,44 @@ class MeshConfig:
                 )
 
 
+# --- distillation ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """Sequence-level knowledge distillation (Kim & Rush 2016) for the student.
+
+    With `enabled`, the teacher translates every training source by beam search
+    (`beam_size`, GNMT `length_penalty`) and the student trains on these targets (stages
+    `distill`, then `encode_distilled`); without, it trains on the original pairs, like
+    the teacher, and neither stage runs. Sources are decoded `batch_size` at a time, in
+    batches of sources with the same number of tokens.
+
+    Every pair is kept or rejected with its reason (components/distillation.py): always
+    `empty`, `unfinished` (no EOS within the output width) and `source_too_long` (cut to
+    the teacher's widest bucket); `length_ratio` when target/source tokens, EOS included,
+    exceed `max_length_ratio` either way; `low_score` when the teacher's log-probability per
+    target token (EOS included) is below `min_token_log_prob`. Null turns a filter off.
+    """
+
+    enabled: bool = True
+    beam_size: int = 4
+    length_penalty: float = 0.6
+    batch_size: int = 64
+    max_length_ratio: Optional[float] = 3.0
+    min_token_log_prob: Optional[float] = None
+
+    def __post_init__(self):
+        if self.beam_size < 1 or self.batch_size < 1:
+            raise ConfigError("distill.beam_size and distill.batch_size must be >= 1")
+        if self.length_penalty < 0:
+            raise ConfigError("distill.length_penalty: expected a number >= 0")
+        if self.max_length_ratio is not None and self.max_length_ratio < 1.0:
+            raise ConfigError("distill.max_length_ratio: expected a number >= 1 or null")
+        if self.min_token_log_prob is not None and self.min_token_log_prob > 0:
+            raise ConfigError("distill.min_token_log_prob: a log-probability, <= 0, or null")
+
+
 # --- decoding and its measurement -------------------------------------------------------
 
 DECODE_KINDS = ("ar_greedy", "ar_beam", "padir", "mask_predict", "adaptive")
@@ -469,6 +507,7 @@ class Config:
     vocab: VocabConfig = VocabConfig()
     encode: EncodeConfig = EncodeConfig()
     teacher: TeacherConfig = TeacherConfig()
+    distill: DistillConfig = DistillConfig()
     train: StudentConfig = StudentConfig()
     decode: DecodeConfig = DecodeConfig()
     mesh: MeshConfig = MeshConfig()

@@ -3,6 +3,15 @@
 A stage's artifact key hashes its own config sections and the keys of its inputs, so
 changing one section invalidates that stage and everything downstream, nothing upstream.
 The Prefect flow uses the same keys as its cache keys.
+
+One switch shapes the graph, `distill.enabled`: when on, the teacher's translations of
+the training sources (`distill`), encoded like the originals (`encode_distilled`), are
+what the student (`train`) trains on; when off, those two stages are not part of the run
+and the student reads the original `encode` artifact, as the teacher always does. So the
+switch changes the student's key (and its dependents'), never the teacher's:
+
+    prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─► train ─► decode ─► score
+                          └──────────── (distill.enabled: false) ─────────────┘
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from components.config import Config, stable_hash, to_dict
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
     sections: tuple[str, ...]  # config attributes whose values determine the output
-    inputs: tuple[str, ...]  # upstream stages whose artifacts it reads
+    inputs: tuple[str, ...]  # upstream stages whose artifacts it reads (see `inputs`)
 
 
 STAGES: dict[str, StageSpec] = {
@@ -24,10 +33,39 @@ STAGES: dict[str, StageSpec] = {
     "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",)),
     "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab")),
     "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode")),
+    "distill": StageSpec(sections=("distill",), inputs=("prepare", "teacher")),
+    "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab")),
+    # Reads "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
     "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode")),
     "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "train")),
     "score": StageSpec(sections=(), inputs=("prepare", "decode")),
 }
+DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
+
+
+def student_data(config: Config) -> str:
+    """The encode stage whose pairs the student (`train`) trains on: the distilled ones
+    when `distill.enabled`, else the original ones, which the teacher always trains on."""
+    return "encode_distilled" if config.distill.enabled else "encode"
+
+
+def inputs(config: Config, stage: str) -> tuple[str, ...]:
+    """The upstream stages whose artifacts `stage` reads under this config."""
+    spec = STAGES[stage]
+    if stage != "train":
+        return spec.inputs
+    return tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
+
+
+def active_stages(config: Config) -> tuple[str, ...]:
+    """The stages a run of this config computes, in registration order."""
+    return tuple(name for name in STAGES
+                 if config.distill.enabled or name not in DISTILL_STAGES)
+
+
+def graph(config: Config) -> dict[str, tuple[str, ...]]:
+    """Active stage -> its inputs under this config (what flows/plan.py orders)."""
+    return {name: inputs(config, name) for name in active_stages(config)}
 
 
 def stage_key(config: Config, stage: str) -> str:
@@ -36,7 +74,7 @@ def stage_key(config: Config, stage: str) -> str:
         {
             "stage": stage,
             "sections": {name: config.section_hash(name) for name in spec.sections},
-            "inputs": {name: stage_key(config, name) for name in spec.inputs},
+            "inputs": {name: stage_key(config, name) for name in inputs(config, stage)},
         }
     )
 

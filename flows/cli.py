@@ -22,6 +22,8 @@ BEAM_STAGES = {
     "prepare": "pipelines.prepare:run",
     "vocab": "pipelines.vocab:run",
     "encode": "pipelines.encode:run",
+    "distill": "pipelines.distill:run",
+    "encode_distilled": "pipelines.encode:run_distilled",
     "decode": "pipelines.decode:run",
 }
 PYTHON_STAGES = {
@@ -60,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(stage)
     _add_translate_command(commands)
     _add_pipeline_commands(commands)
+    _add_theory_command(commands)
     return parser
 
 
@@ -117,8 +120,9 @@ def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
             return 3
         return 2 if isinstance(e.__cause__, USER_ERRORS) else 1
     print(f"outputs (workdir {config.workdir}):")
+    width = max(map(len, uris), default=0)
     for stage, uri in uris.items():
-        print(f"  {stage:8} {uri}")
+        print(f"  {stage:{width}} {uri}")
     report = plan.report_path(config)
     print(f"report: {report}" if report else "report: none yet (no score stage output)")
     return 0
@@ -127,11 +131,13 @@ def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
 def _print_status(args: argparse.Namespace, config: config_lib.Config) -> int:
     from flows import plan
 
+    rows = plan.describe(config)
+    width = max([len("stage"), *(len(row["stage"]) for row in rows)])
     print(f"workdir {config.workdir}")
-    print(f"  {'stage':8} {'state':8} {'key':12}  {'next run':32} headline metrics")
-    for row in plan.describe(config):
+    print(f"  {'stage':{width}} {'state':8} {'key':12}  {'next run':32} headline metrics")
+    for row in rows:
         metrics = " ".join(f"{name}={value}" for name, value in row["metrics"].items())
-        print(f"  {row['stage']:8} {row['state']:8} {row['key']:12}  {row['next']:32} "
+        print(f"  {row['stage']:{width}} {row['state']:8} {row['key']:12}  {row['next']:32} "
               f"{metrics}".rstrip())
     return 0
 
@@ -217,6 +223,27 @@ def _translate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- `padir theory`: the paper's Ising experiments (model/ising_experiments.py) ---------------
+
+
+def _add_theory_command(commands) -> None:
+    theory = commands.add_parser(
+        "theory", help="measure the paper's theory on exact Ising models (PNG + JSON figures)",
+        description="Parameter error of the k-pseudolikelihood against k, and steps to the "
+                    "larger mode for k-Gibbs and independent parallel sampling.")
+    theory.add_argument("--out", default="work/theory", metavar="DIR",
+                        help="output directory (default work/theory)")
+    theory.add_argument("--quick", action="store_true", help="smaller runs (about 1.5 min)")
+
+
+def _theory(args: argparse.Namespace) -> int:
+    from model import ising_experiments  # JAX and matplotlib: only for this command
+
+    for path in ising_experiments.run(args.out, quick=args.quick).values():
+        print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -228,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             return _translate(args)
+        if args.command == "theory":
+            if extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            return _theory(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
             artifact = run_stage(args.name, config, beam_args=extra)

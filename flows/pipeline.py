@@ -1,4 +1,4 @@
-"""The end-to-end Prefect flow: one task per stage of `components.dag.STAGES`, in DAG order.
+"""The end-to-end Prefect flow: one task per active stage of the config, in DAG order.
 
 Contract:
   reads:  an experiment config (path + `--set` overrides) and whatever artifacts of it exist.
@@ -132,7 +132,8 @@ def publish_report(config: Config) -> Optional[str]:
 def padir_pipeline(config_path: str, overrides: tuple[str, ...] = (),
                    from_stage: str | None = None, only: str | None = None,
                    force: tuple[str, ...] = ()) -> dict[str, str]:
-    """Runs the stages of `components.dag` in topological order; returns stage -> URI.
+    """Runs the config's active stages (`components.dag.graph`) in topological order;
+    returns stage -> URI.
 
     (The annotations use builtins only: a served run validates its parameters against them
     in a process that loads this function from its entry point, without typing's names.)

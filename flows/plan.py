@@ -1,7 +1,7 @@
 """What a pipeline run will do, decided before it starts: no Prefect here.
 
-Every stage of `components.dag.STAGES` is visited in topological order. A selected stage
-runs when it is forced (`force`, or at or below `from_stage`), when its artifact is not
+Every active stage of the config (`components.dag.graph`: the distillation stages only
+with `distill.enabled`) is visited in topological order. A selected stage runs when it is forced (`force`, or at or below `from_stage`), when its artifact is not
 complete (never built, deleted, or left partial by a crash), or when one of its inputs
 runs; otherwise its complete artifact is reused. The Prefect flow (flows/pipeline.py)
 executes this plan; `padir status` shows the same facts without running anything.
@@ -31,39 +31,44 @@ class StagePlan:
     reason: str  # why it runs ("forced", "no complete artifact", "input vocab runs") or not
 
 
-def topological_order(stages: Mapping[str, dag.StageSpec] | None = None) -> list[str]:
-    """Stage names, every stage after its inputs; ties keep the registration order."""
-    stages = dag.STAGES if stages is None else stages
-    for name, spec in stages.items():
-        for upstream in spec.inputs:
-            if upstream not in stages:
+Graph = Mapping[str, Sequence[str]]  # stage -> its inputs, e.g. `dag.graph(config)`
+
+
+def topological_order(graph: Graph) -> list[str]:
+    """Stage names, every stage after its inputs; ties keep the graph's order."""
+    for name, inputs in graph.items():
+        for upstream in inputs:
+            if upstream not in graph:
                 raise ConfigError(f"stage {name!r} reads unknown stage {upstream!r}")
     order: list[str] = []
     placed: set[str] = set()
-    while len(order) < len(stages):
-        ready = [name for name, spec in stages.items()
-                 if name not in placed and placed.issuperset(spec.inputs)]
+    while len(order) < len(graph):
+        ready = [name for name, inputs in graph.items()
+                 if name not in placed and placed.issuperset(inputs)]
         if not ready:
-            raise ConfigError(f"the stage graph has a cycle among {sorted(set(stages) - placed)}")
+            raise ConfigError(f"the stage graph has a cycle among {sorted(set(graph) - placed)}")
         order.append(ready[0])
         placed.add(ready[0])
     return order
 
 
-def downstream(stage: str, stages: Mapping[str, dag.StageSpec] | None = None) -> list[str]:
+def downstream(stage: str, graph: Graph) -> list[str]:
     """`stage` and every stage that reads it, directly or not, in topological order."""
-    stages = dag.STAGES if stages is None else stages
     affected = {stage}
-    for name in topological_order(stages):
-        if affected.intersection(stages[name].inputs):
+    order = topological_order(graph)
+    for name in order:
+        if affected.intersection(graph[name]):
             affected.add(name)
-    return [name for name in topological_order(stages) if name in affected]
+    return [name for name in order if name in affected]
 
 
-def _check_stages(names: Iterable[str], flag: str) -> None:
+def _check_stages(names: Iterable[str], flag: str, graph: Graph) -> None:
     for name in names:
         if name not in dag.STAGES:
             raise ConfigError(f"{flag}: unknown stage {name!r} (stages: {list(dag.STAGES)})")
+        if name not in graph:
+            raise ConfigError(f"{flag}: stage {name!r} is not part of this config's run "
+                              "(distill.enabled is false)")
 
 
 def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str] = None,
@@ -78,16 +83,17 @@ def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str
     Raises:
       ConfigError: an unknown stage name, or `only` whose inputs have no complete artifact.
     """
-    _check_stages(force, "--force")
-    _check_stages([from_stage] if from_stage else [], "--from")
-    _check_stages([only] if only else [], "--only")
-    forced = set(force) | set(downstream(from_stage) if from_stage else ())
+    graph = dag.graph(config)
+    _check_stages(force, "--force", graph)
+    _check_stages([from_stage] if from_stage else [], "--from", graph)
+    _check_stages([only] if only else [], "--only", graph)
+    forced = set(force) | set(downstream(from_stage, graph) if from_stage else ())
     steps: dict[str, StagePlan] = {}
-    for stage in topological_order():
+    for stage in topological_order(graph):
         if only is not None and stage != only:
             continue
         uri = dag.output_uri(config, stage)
-        running_inputs = [name for name in dag.STAGES[stage].inputs
+        running_inputs = [name for name in graph[stage]
                           if name in steps and steps[name].run]
         if stage in forced:
             run, reason = True, "forced"
@@ -99,7 +105,7 @@ def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str
             run, reason = False, "complete"
         steps[stage] = StagePlan(stage, dag.stage_key(config, stage), uri, run, reason)
     if only is not None:
-        missing = [name for name in dag.STAGES[only].inputs
+        missing = [name for name in graph[only]
                    if not artifacts.is_complete(dag.output_uri(config, name))]
         if missing:
             raise ConfigError(f"--only {only}: its input stage(s) {missing} have no complete "
@@ -155,7 +161,7 @@ def partial_exists(config: Config, stage: str) -> bool:
 
 
 def describe(config: Config) -> list[dict[str, Any]]:
-    """One row per stage in topological order: stage, key, uri, state ("complete",
+    """One row per active stage in topological order: stage, key, uri, state ("complete",
     "partial": a resumable stage stopped midway, "missing"), what `padir run` would do
     next ("reuse" or "run (<reason>)") and headline metrics."""
     rows = []

@@ -82,11 +82,12 @@ class LoadedModel:
 
 
 def checkpoint_dir(artifact: artifacts.Artifact) -> str:
-    """The checkpoints a published `teacher` or `train` artifact decodes with (the student's
-    last phase)."""
+    """The checkpoints a published `teacher` or `train` artifact decodes with: the student's
+    last phase that trained (a time budget may end training within phase 1)."""
     if artifact.stage == "train":
-        phase = "phase2" if artifact.manifest["config"]["train"]["phase2_steps"] else "phase1"
-        return artifact.path("checkpoints", phase)
+        phase2 = artifact.path("checkpoints", "phase2")
+        fs, path = artifacts.filesystem(phase2)
+        return phase2 if fs.exists(path) else artifact.path("checkpoints", "phase1")
     return artifact.path("checkpoints")
 
 

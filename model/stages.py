@@ -1,8 +1,11 @@
 """The training stages: `teacher` (the AR model) and `train` (the PaDIR student).
 
 Contract:
-  reads:  the `encode` artifact (TFRecord shards of `train` and `dev`), the `vocab`
-          artifact (`spm.model`) and the `prepare` artifact (raw dev references for BLEU).
+  reads:  an encode artifact (TFRecord shards of `train` and `dev`): the teacher always
+          `encode` (the original pairs), the student `dag.student_data(config)` (the
+          distilled pairs, `encode_distilled`, when `distill.enabled`, else `encode`);
+          the `vocab` artifact (`spm.model`) and the `prepare` artifact (raw dev
+          references for BLEU).
   writes: `<workdir>/teacher/<key>/` or `<workdir>/train/<key>/` with `checkpoints/`
           (orbax; the student's in `checkpoints/phase1` and `checkpoints/phase2`),
           `tensorboard/`, and a manifest with the final dev metrics.
@@ -52,10 +55,12 @@ def load_tokenizer(config: config_lib.Config) -> Tokenizer:
     return Tokenizer.load(dag.require_input(config, "vocab").path(MODEL_FILE))
 
 
-def training_data(config: config_lib.Config, loop: config_lib.TrainLoopConfig,
-                  tokenizer: Tokenizer) -> TrainingData:
-    """Bucketed batches of about `loop.tokens_per_batch` tokens, split across processes."""
-    encoded = dag.require_input(config, "encode")
+def training_data(config: config_lib.Config, stage: str, tokenizer: Tokenizer) -> TrainingData:
+    """The data of training stage `stage` ("teacher" or "train"): bucketed batches of about
+    `loop.tokens_per_batch` tokens of its encode artifact, split across processes."""
+    loop = config.section(stage).loop
+    encoded = dag.require_input(config, "encode" if stage == "teacher"
+                                else dag.student_data(config))
     boundaries = config.encode.bucket_boundaries
     batch_sizes = input_pipeline.batch_sizes_for_tokens(
         boundaries, loop.tokens_per_batch, multiple_of=jax.device_count())
@@ -91,12 +96,13 @@ def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artif
     """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact."""
     log.info("%s: resolved config\n%s", stage, config_lib.dump(config))
     tokenizer = load_tokenizer(config)
-    inputs = {name: dag.output_uri(config, name) for name in dag.STAGES[stage].inputs}
+    # Checked before the partial directory exists: a missing input leaves nothing behind.
+    inputs = {name: dag.require_input(config, name).uri for name in dag.inputs(config, stage)}
     with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
                          config=dag.section_values(config, stage),
                          config_yaml=config_lib.dump(config), inputs=inputs,
                          resumable=True) as pending:
-        data = training_data(config, config.section(stage).loop, tokenizer)
+        data = training_data(config, stage, tokenizer)
         result = train_fn(pending, data, tokenizer)
         if not result.completed and result.stop_reason != "time budget":
             raise artifacts.StageStopped(
@@ -157,7 +163,8 @@ def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
 
 
 def run_student(config: config_lib.Config) -> artifacts.Artifact:
-    """Trains the PaDIR student: phase 1 single-stage, then phase 2 unrolled."""
+    """Trains the PaDIR student (on distilled pairs if `distill.enabled`): phase 1
+    single-stage, then phase 2 unrolled."""
 
     def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
         return train.train_student(

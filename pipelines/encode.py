@@ -22,11 +22,16 @@ except where two segmentations score exactly the same: tf-text's bundled Sentenc
 such ties differently from the Python package (e.g. "10,000" -> '00','0' vs '0','00'; 3 of
 the 58k Multi30k train sentences). Both decode to the same text.
 The input patterns are a parameter of `build`, so any source of pairs in the prepared
-format (e.g. distilled train pairs) is encoded the same way.
+format is encoded the same way: the `encode_distilled` stage (`run_distilled`, or
+`--distilled` below) is this job on the `distill` artifact, whose `train` pairs hold the
+teacher's translations and whose `dev` pairs are the prepared ones; it writes
+`<workdir>/encode_distilled/<key>/` in the layout above.
 
 Run it alone, locally (the in-process FnApiRunner of the config's `beam` section):
 
     PADIR_DATA_ROOT=/path/to/data python -m pipelines.encode --config configs/multi30k_en_de.yaml
+    PADIR_DATA_ROOT=/path/to/data python -m pipelines.encode --config configs/multi30k_en_de.yaml \
+        --distilled                                   # the encode_distilled stage
 
 or on Dataflow (the workdir must then be a gs:// path):
 
@@ -38,6 +43,7 @@ or on Dataflow (the workdir must then be a gs:// path):
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import logging
@@ -232,23 +238,38 @@ def _read_json(uri: str) -> dict:
         return json.load(f)
 
 
+# Encode stage -> the stage whose prepared-format pairs it encodes.
+PAIRS = {"encode": "prepare", "encode_distilled": "distill"}
+
+
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the encode artifact from the complete prepare and vocab artifacts."""
-    logging.info("encode stage, config:\n%s", config_lib.dump(config))
-    prepared = dag.require_input(config, "prepare")
+    return _run(config, "encode", beam_args)
+
+
+def run_distilled(config: config_lib.Config,
+                  beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Recomputes the `encode_distilled` artifact (the student's training data) from the
+    complete distill artifact (teacher targets for train, the original dev) and vocab."""
+    return _run(config, "encode_distilled", beam_args)
+
+
+def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> artifacts.Artifact:
+    logging.info("%s stage, config:\n%s", stage, config_lib.dump(config))
+    pairs = dag.require_input(config, PAIRS[stage])
     vocab = dag.require_input(config, "vocab")
-    inputs = {split: corpus.split_pattern(prepared.uri, split) for split in records.SPLITS}
+    inputs = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}
     for split, pattern in inputs.items():  # structural errors before any work starts
         if not _glob(pattern):
             raise FileNotFoundError(
-                f"prepare artifact {prepared.uri} has no {split} split ({pattern})")
+                f"{pairs.stage} artifact {pairs.uri} has no {split} split ({pattern})")
     tokenizer = tokenizer_lib.Tokenizer.load(vocab.path(tokenizer_lib.MODEL_FILE))
 
     with artifacts.write(
-        config.workdir, "encode", dag.stage_key(config, "encode"),
-        config=dag.section_values(config, "encode"),
+        config.workdir, stage, dag.stage_key(config, stage),
+        config=dag.section_values(config, stage),
         config_yaml=config_lib.dump(config),
-        inputs={"prepare": prepared.uri, "vocab": vocab.uri},
+        inputs={pairs.stage: pairs.uri, "vocab": vocab.uri},
     ) as out:
         pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
         build(pipeline, config, inputs=inputs, tokenizer=tokenizer, output_uri=out.tmp_uri)
@@ -259,16 +280,20 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
         _check_accounting(counts, stats)
         out.counts.update(counts)
         out.metrics.update(stats)
-    artifact = artifacts.read(dag.output_uri(config, "encode"))
-    logging.info("encode: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
+    artifact = artifacts.read(dag.output_uri(config, stage))
+    logging.info("%s: wrote %s counts=%s", stage, artifact.uri, artifact.manifest["counts"])
     return artifact
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
-    artifact = run(config, beam_args=beam_args)
-    print(f"encode: {artifact.uri}")
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--distilled", action="store_true",
+                       help="the encode_distilled stage (the distill artifact's pairs)")
+    known, beam_args = which.parse_known_args(beam_args)
+    artifact = (run_distilled if known.distilled else run)(config, beam_args=beam_args)
+    print(f"{artifact.stage}: {artifact.uri}")
     return 0
 
 

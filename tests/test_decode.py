@@ -13,8 +13,6 @@ import io
 import json
 
 import apache_beam as beam
-import jax
-import jax.numpy as jnp
 import pytest
 import sacrebleu
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
@@ -29,7 +27,7 @@ from flows import cli
 from model import inference
 from pipelines import decode
 from pipelines import inference as beam_inference
-from tiny_experiment import tiny_config
+from tiny_experiment import publish_untrained, tiny_config
 
 METHODS = [  # every kind, each as cheap as it gets
     {"name": "greedy", "kind": "ar_greedy"},
@@ -40,30 +38,6 @@ METHODS = [  # every kind, each as cheap as it gets
 ]
 MAX_SENTENCES = 6
 BUCKETS = (16, 32, 64)  # the handler tests' buckets (the stage's config has one: [64])
-
-
-def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifact:
-    """A `teacher` or `train` artifact as its stage lays it out, with initial parameters."""
-    from model import checkpoints, stages, train
-
-    tokenizer = stages.load_tokenizer(config)
-    make = stages.teacher_model if stage == "teacher" else stages.student_model
-    model = make(config, tokenizer)
-    params = model.init(jax.random.key(1), train.example_batch(model))
-    inputs = {name: dag.output_uri(config, name) for name in dag.STAGES[stage].inputs}
-    with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
-                         config=dag.section_values(config, stage),
-                         config_yaml=config_lib.dump(config), inputs=inputs) as out:
-        manager = checkpoints.open_manager(
-            out.path("checkpoints", *(("phase2",) if stage == "train" else ())),
-            best_metric=config.section(stage).loop.best_metric)
-        state = train.TrainState(step=jnp.array(1, jnp.int32), params=params,
-                                 opt_state={"count": jnp.zeros((), jnp.int32)},
-                                 rng=jax.random.PRNGKey(0))
-        checkpoints.save(manager, state, position=1, metrics={"bleu": 0.0, "loss": 1.0})
-        manager.wait_until_finished()
-        manager.close()
-    return artifacts.read(dag.output_uri(config, stage))
 
 
 @pytest.fixture(scope="module")

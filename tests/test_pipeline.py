@@ -21,10 +21,13 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 # The tiny experiment with a few carved dev/test pairs (not Multi30k's 1000-sentence sets),
 # one length bucket, phase 1 only (test_stages.py covers phase 2) and two decoding
-# methods: the run is dominated by JAX compilations, and these cut their number.
+# methods: the run is dominated by JAX compilations, and these cut their number. No
+# distillation: a 3-step teacher's translations never reach EOS and would all be rejected
+# (tests/test_distill.py runs those stages; the fake-stage tests below plan them).
 FAST = ("data.dev=null", "data.test=[]", "data.carve_dev_fraction=0.05",
         "data.carve_test_fraction=0.05", "encode.bucket_boundaries=[64]",
         "train.phase2_steps=0", "decode.max_sentences=4", "decode.throughput_batch_size=4",
+        "distill.enabled=false",
         "decode.methods=[{name: greedy, kind: ar_greedy}, "
         "{name: padir, kind: padir, iterations: 2}]")
 
@@ -39,7 +42,7 @@ class FakeStages:
 
     def __call__(self, name, config, beam_args=()):
         self.calls.append(name)
-        inputs = {up: dag.require_input(config, up).uri for up in dag.STAGES[name].inputs}
+        inputs = {up: dag.require_input(config, up).uri for up in dag.inputs(config, name)}
         with artifacts.write(config.workdir, name, dag.stage_key(config, name),
                              config=dag.section_values(config, name), inputs=inputs) as out:
             fs, path = artifacts.filesystem(out.path("output.txt"))
@@ -61,10 +64,6 @@ def fake(monkeypatch):
     monkeypatch.setattr(cli, "run_stage", stages)
     monkeypatch.setattr(pipeline, "stage_task",
                         pipeline.stage_task.with_options(retry_delay_seconds=0))
-    if plan.REPORT_STAGE not in dag.STAGES:  # until the score stage is registered
-        last = plan.topological_order()[-1]
-        monkeypatch.setitem(dag.STAGES, plan.REPORT_STAGE,
-                            dag.StageSpec(sections=(), inputs=(last,)))
     return stages
 
 
@@ -115,8 +114,13 @@ def artifact_keys(flow_state) -> set[str]:
         return {a.key for a in client.read_artifacts(flow_run_filter=_of_flow_run(flow_state))}
 
 
-def stages_named(*names):
-    return [stage for stage in plan.topological_order() if stage in names]
+def order_of(config_path) -> list[str]:
+    """The stages a run of this config computes, in the flow's order."""
+    return plan.topological_order(dag.graph(config_lib.load(config_path)))
+
+
+def downstream(config_path, stage: str) -> list[str]:
+    return plan.downstream(stage, dag.graph(config_lib.load(config_path)))
 
 
 # --- the real stages ----------------------------------------------------------------------
@@ -133,7 +137,8 @@ def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
         return run_stage(name, config, beam_args)
 
     monkeypatch.setattr(cli, "run_stage", spy)
-    order = plan.topological_order()
+    order = order_of(str(config_path))
+    assert not {"distill", "encode_distilled"} & set(order)  # switched off: not run
 
     state = run_flow(str(config_path))
     assert state.is_completed(), state.message
@@ -165,10 +170,10 @@ def test_a_changed_section_reruns_its_stage_and_downstream_only(fake, fake_confi
     fake.calls.clear()
     state = run_flow(fake_config, ["train.phase1_steps=7"])
     assert state.is_completed()
-    assert fake.calls == plan.downstream("train")
+    assert fake.calls == downstream(fake_config, "train")
     states = task_states(state, len(dag.STAGES))
     assert {s for s, name in states.items() if name == "Cached"} == \
-        set(dag.STAGES) - set(plan.downstream("train"))
+        set(dag.STAGES) - set(downstream(fake_config, "train"))
 
 
 def test_a_deleted_output_reruns_that_stage_and_its_dependents(fake, fake_config):
@@ -177,12 +182,12 @@ def test_a_deleted_output_reruns_that_stage_and_its_dependents(fake, fake_config
     shutil.rmtree(first[stage])
     fake.calls.clear()
     state = run_flow(fake_config)
-    assert fake.calls == plan.downstream(stage)
+    assert fake.calls == downstream(fake_config, stage)
     assert state.result() == first  # same keys, same places
     assert artifacts.is_complete(first[stage])
     states = task_states(state, len(dag.STAGES))
     assert {s for s, name in states.items() if name == "Completed"} == \
-        set(plan.downstream(stage))
+        set(downstream(fake_config, stage))
 
 
 def test_a_failing_stage_fails_the_flow_by_name_and_a_rerun_continues_from_it(fake,
@@ -195,7 +200,8 @@ def test_a_failing_stage_fails_the_flow_by_name_and_a_rerun_continues_from_it(fa
     assert f"stage '{failing}' failed: ValueError: shard 3 is corrupt" in state.message
     with pytest.raises(pipeline.StageFailed, match=f"stage '{failing}'"):
         state.result()
-    before = plan.topological_order()[:plan.topological_order().index(failing)]
+    order = order_of(fake_config)
+    before = order[:order.index(failing)]
     assert fake.calls == before + [failing]  # nothing after it ran
     assert not artifacts.is_complete(dag.output_uri(config, failing))
     assert os.listdir(os.path.join(config.workdir, failing)) == []  # no temporary left
@@ -205,7 +211,7 @@ def test_a_failing_stage_fails_the_flow_by_name_and_a_rerun_continues_from_it(fa
     fake.calls.clear()
     rerun = run_flow(fake_config)
     assert rerun.is_completed()
-    assert fake.calls == plan.downstream(failing)
+    assert fake.calls == downstream(fake_config, failing)
     states = task_states(rerun, len(dag.STAGES))
     assert all(states[stage] == "Cached" for stage in before)
 
@@ -226,7 +232,7 @@ def test_transient_io_errors_are_retried_and_others_are_not(fake, fake_config):
 def test_a_complete_artifact_built_outside_prefect_is_adopted_not_recomputed(fake,
                                                                             fake_config):
     config = config_lib.load(fake_config)
-    for stage in plan.topological_order():
+    for stage in order_of(fake_config):
         fake(stage, config)
     fake.calls.clear()
     state = run_flow(fake_config)
@@ -254,7 +260,7 @@ def test_from_and_only_select_what_runs(fake, fake_config):
     run_flow(fake_config)
     fake.calls.clear()
     assert run_flow(fake_config, from_stage="train").is_completed()
-    assert fake.calls == plan.downstream("train")
+    assert fake.calls == downstream(fake_config, "train")
     fake.calls.clear()
     only = run_flow(fake_config, only="vocab", force=["vocab"])
     assert fake.calls == ["vocab"] and list(only.result()) == ["vocab"]

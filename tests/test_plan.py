@@ -8,11 +8,11 @@ from components import artifacts, dag
 from components import config as config_lib
 from flows import cli, plan
 
-DIAMOND = {  # registration order deliberately not topological
-    "report": dag.StageSpec(sections=(), inputs=("left", "right")),
-    "left": dag.StageSpec(sections=(), inputs=("root",)),
-    "root": dag.StageSpec(sections=(), inputs=()),
-    "right": dag.StageSpec(sections=(), inputs=("root",)),
+DIAMOND = {  # stage -> inputs; registration order deliberately not topological
+    "report": ("left", "right"),
+    "left": ("root",),
+    "root": (),
+    "right": ("root",),
 }
 
 
@@ -30,46 +30,83 @@ def config(tmp_path):
         "data": {"train": {"source": "a.en", "target": "a.de"}}})
 
 
-def test_topological_order_puts_every_stage_after_its_inputs():
+def test_topological_order_puts_every_stage_after_its_inputs(config):
     assert plan.topological_order(DIAMOND) == ["root", "left", "right", "report"]
     assert plan.downstream("left", DIAMOND) == ["left", "report"]
-    order = plan.topological_order()
-    assert sorted(order) == sorted(dag.STAGES)
+    graph = dag.graph(config)
+    order = plan.topological_order(graph)
+    assert sorted(order) == sorted(dag.STAGES)  # distillation is on by default
     for stage in order:
-        assert all(order.index(up) < order.index(stage) for up in dag.STAGES[stage].inputs)
+        assert all(order.index(up) < order.index(stage) for up in graph[stage])
 
 
 def test_a_cycle_or_an_unknown_input_is_an_error():
     with pytest.raises(config_lib.ConfigError, match="cycle"):
-        plan.topological_order({"a": dag.StageSpec((), ("b",)), "b": dag.StageSpec((), ("a",))})
+        plan.topological_order({"a": ("b",), "b": ("a",)})
     with pytest.raises(config_lib.ConfigError, match="unknown stage 'nope'"):
-        plan.topological_order({"a": dag.StageSpec((), ("nope",))})
+        plan.topological_order({"a": ("nope",)})
+
+
+def test_the_distill_switch_decides_what_the_student_trains_on(config):
+    off = config.replace(distill=config_lib.DistillConfig(enabled=False))
+    assert config.distill.enabled and dag.student_data(config) == "encode_distilled"
+    assert dag.inputs(config, "train") == ("prepare", "vocab", "encode_distilled")
+    assert dag.inputs(off, "train") == ("prepare", "vocab", "encode")
+    assert dag.inputs(config, "teacher") == dag.inputs(off, "teacher") == \
+        ("prepare", "vocab", "encode")
+    assert set(dag.STAGES) - set(dag.active_stages(off)) == {"distill", "encode_distilled"}
+    assert [s.stage for s in plan.plan(off)] == plan.topological_order(dag.graph(off))
+    assert "distill" not in [s.stage for s in plan.plan(off)]
+    assert plan.downstream("distill", dag.graph(config)) == \
+        ["distill", "encode_distilled", "train", "decode", "score"]
+    # The switch moves the student and what reads it, never the teacher or the data.
+    for stage in ("prepare", "vocab", "encode", "teacher"):
+        assert dag.stage_key(off, stage) == dag.stage_key(config, stage)
+    for stage in ("train", "decode", "score"):
+        assert dag.stage_key(off, stage) != dag.stage_key(config, stage)
+    # Off, the student's key is what it was before distillation was a stage.
+    assert dag.stage_key(off, "train") == config_lib.stable_hash({
+        "stage": "train",
+        "sections": {name: off.section_hash(name) for name in ("train", "seed")},
+        "inputs": {name: dag.stage_key(off, name) for name in ("prepare", "vocab", "encode")}})
+    # A distill setting changes the distilled data and the student, not the teacher; it
+    # changes nothing when distillation is off.
+    beam8 = config.replace(distill=config_lib.DistillConfig(beam_size=8))
+    assert dag.stage_key(beam8, "teacher") == dag.stage_key(config, "teacher")
+    assert dag.stage_key(beam8, "encode_distilled") != dag.stage_key(config, "encode_distilled")
+    assert dag.stage_key(beam8, "train") != dag.stage_key(config, "train")
+    off8 = off.replace(distill=config_lib.DistillConfig(enabled=False, beam_size=8))
+    assert dag.stage_key(off8, "train") == dag.stage_key(off, "train")
+    with pytest.raises(config_lib.ConfigError, match="not part of this config's run"):
+        plan.plan(off, only="distill")
 
 
 def test_nothing_built_runs_everything(config):
     steps = plan.plan(config)
-    assert [s.stage for s in steps] == plan.topological_order()
+    assert [s.stage for s in steps] == plan.topological_order(dag.graph(config))
     assert all(s.run and s.reason == "no complete artifact" for s in steps)
     assert all(s.uri == dag.output_uri(config, s.stage) for s in steps)
 
 
 def test_complete_stages_are_reused_and_a_missing_one_reruns_with_its_dependents(config):
-    for stage in plan.topological_order():
+    graph = dag.graph(config)
+    for stage in plan.topological_order(graph):
         write_fake_artifact(config, stage)
     assert not any(s.run for s in plan.plan(config))
     stage = dag.STAGES["encode"].inputs[-1]  # an inner stage
     shutil.rmtree(dag.output_uri(config, stage))
     running = [s.stage for s in plan.plan(config) if s.run]
-    assert running == plan.downstream(stage)
+    assert running == plan.downstream(stage, graph)
 
 
 def test_from_force_and_only_select_stages(config):
-    for stage in plan.topological_order():
+    graph = dag.graph(config)
+    for stage in plan.topological_order(graph):
         write_fake_artifact(config, stage)
     assert [s.stage for s in plan.plan(config, from_stage="train") if s.run] == \
-        plan.downstream("train")
+        plan.downstream("train", graph)
     assert [s.stage for s in plan.plan(config, force=["vocab"]) if s.run] == \
-        plan.downstream("vocab")
+        plan.downstream("vocab", graph)
     only = plan.plan(config, only="vocab")
     assert [(s.stage, s.run) for s in only] == [("vocab", False)]
     assert plan.plan(config, only="vocab", force=["vocab"])[0].reason == "forced"
@@ -96,7 +133,9 @@ def test_describe_and_padir_status_show_state_key_and_headline_metrics(config, t
     path.write_text(config_lib.dump(config))
     assert cli.main(["status", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"prepare  complete {dag.stage_key(config, 'prepare')}" in out
+    width = max(map(len, dag.active_stages(config)))
+    assert f"{'prepare':{width}} complete {dag.stage_key(config, 'prepare')}" in out
+    assert f"{'encode_distilled':{width}} missing " in out
     assert "dev.bleu=12.3457" in out and "x" * 80 not in out
 
 

@@ -1,0 +1,174 @@
+"""The per-sentence logic of the `distill` stage (plain Python, no Beam), and its figures.
+
+A teacher translation arrives as the record of `model.inference.Translation`
+(`TranslationModelHandler`'s `inference`): `hypothesis` (text), `tokens` (ids, EOS
+included when the beam emitted one), `score` (the beam's length-penalised
+log-probability), `source_tokens` (EOS included, after any cut), `truncated`, `latency_s`.
+`judge` turns it and its prepared pair into a verdict: kept, or rejected with the first
+reason of `REASONS` that applies:
+
+  source_too_long  the source had more tokens than the teacher's widest bucket and was cut,
+                   so the translation is of part of it
+  unfinished       no EOS within the output width: the translation was cut
+  empty            the translation is empty
+  length_ratio     target/source tokens (EOS included on both sides), or its inverse, above
+                   `distill.max_length_ratio` (if set)
+  low_score        the teacher's log-probability per target token (EOS included) below
+                   `distill.min_token_log_prob` (if set)
+
+`score` in the written records is the teacher's log-probability of its translation, summed
+over its tokens (EOS included), without the length penalty: `log_prob` recovers it from
+the beam's score. Records also carry the token counts the filters used.
+
+`DistillationStats` sums, over the kept pairs, the whitespace words of sources, distilled
+targets and original targets and their distinct words (types), for the length ratios and
+type/token ratios that compare distilled with original targets on the same sentences; and,
+over all translated sentences, the decode seconds (`latency_s` sums to the batches' time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+from components import records
+from components.config import DistillConfig
+from components.tokenizer import EOS_ID
+
+REASONS = ("source_too_long", "unfinished", "empty", "length_ratio", "low_score")
+
+
+def decoder_shape(source_tokens: int, boundaries: Sequence[int]) -> tuple[int, int]:
+    """(S, T): the padded source width and output width of a batch whose longest source
+    has `source_tokens` tokens (EOS included), as model/inference.py's Translator pads it:
+    the source cut to the widest bucket, S the bucket that holds it, T the bucket that
+    holds twice as many tokens (else the widest). Plain Python: jobs are built without JAX."""
+    length = min(source_tokens, boundaries[-1])
+    return (records.bucket_of(length, length, boundaries),
+            records.bucket_of(min(2 * length, boundaries[-1]), 0, boundaries))
+
+
+def log_prob(translation: Mapping[str, Any], length_penalty: float) -> float:
+    """The teacher's log-probability of `translation`'s tokens: its beam score (log-prob
+    divided by the GNMT penalty ((5 + length) / 6) ** alpha) times that penalty."""
+    length = len(translation["tokens"])
+    return float(translation["score"]) * ((5.0 + length) / 6.0) ** length_penalty
+
+
+def rejection(translation: Mapping[str, Any], config: DistillConfig) -> Optional[str]:
+    """The reason to reject a teacher translation (see the module docstring), or None."""
+    tokens = translation["tokens"]
+    if translation["truncated"]:
+        return "source_too_long"
+    if not tokens or tokens[-1] != EOS_ID:
+        return "unfinished"
+    if not translation["hypothesis"].strip():
+        return "empty"
+    if config.max_length_ratio is not None:
+        ratio = len(tokens) / translation["source_tokens"]
+        if max(ratio, 1.0 / ratio) > config.max_length_ratio:
+            return "length_ratio"
+    if config.min_token_log_prob is not None:
+        if log_prob(translation, config.length_penalty) / len(tokens) < config.min_token_log_prob:
+            return "low_score"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One training pair after distillation."""
+
+    id: str
+    source: str
+    target: str  # the original (prepared) target
+    hypothesis: str  # the teacher's translation
+    score: float  # `log_prob` of the translation
+    source_tokens: int  # EOS included, after any cut
+    hypothesis_tokens: int  # EOS included when emitted
+    reason: Optional[str]  # None: kept
+    decode_seconds: float  # this sentence's share of its batch's decode time
+
+    def kept_record(self) -> dict[str, Any]:
+        """The distilled pair: the prepared format, plus the teacher's score and the
+        number of target tokens it is summed over (so filters can be replayed)."""
+        return {"id": self.id, "source": self.source, "target": self.hypothesis,
+                "score": self.score, "target_tokens": self.hypothesis_tokens}
+
+    def reject_record(self) -> dict[str, Any]:
+        """A rejected pair: `target` is the original, `hypothesis` the teacher's."""
+        return {"id": self.id, "reason": self.reason, "source": self.source,
+                "target": self.target, "hypothesis": self.hypothesis, "score": self.score,
+                "source_tokens": self.source_tokens,
+                "hypothesis_tokens": self.hypothesis_tokens}
+
+
+def judge(pair: Mapping[str, str], translation: Mapping[str, Any],
+          config: DistillConfig) -> Verdict:
+    """A prepared pair `{"id", "source", "target"}` and the teacher's translation of its
+    source -> a verdict (the score rounded to 4 decimals, as written)."""
+    return Verdict(
+        id=pair["id"], source=pair["source"], target=pair["target"],
+        hypothesis=translation["hypothesis"],
+        score=round(log_prob(translation, config.length_penalty), 4),
+        source_tokens=int(translation["source_tokens"]),
+        hypothesis_tokens=len(translation["tokens"]),
+        reason=rejection(translation, config),
+        decode_seconds=float(translation["latency_s"]))
+
+
+@dataclasses.dataclass
+class DistillationStats:
+    """Mergeable word statistics of distilled vs original targets (see module docstring)."""
+
+    translated: int = 0
+    decode_seconds: float = 0.0
+    kept: int = 0
+    source_words: int = 0
+    distilled_words: int = 0
+    original_words: int = 0
+    distilled_types: set[str] = dataclasses.field(default_factory=set)
+    original_types: set[str] = dataclasses.field(default_factory=set)
+
+    def add(self, verdict: Verdict) -> "DistillationStats":
+        self.translated += 1
+        self.decode_seconds += verdict.decode_seconds
+        if verdict.reason is None:
+            distilled, original = verdict.hypothesis.split(), verdict.target.split()
+            self.kept += 1
+            self.source_words += len(verdict.source.split())
+            self.distilled_words += len(distilled)
+            self.original_words += len(original)
+            self.distilled_types.update(distilled)
+            self.original_types.update(original)
+        return self
+
+    def merge(self, other: "DistillationStats") -> "DistillationStats":
+        self.translated += other.translated
+        self.decode_seconds += other.decode_seconds
+        self.kept += other.kept
+        self.source_words += other.source_words
+        self.distilled_words += other.distilled_words
+        self.original_words += other.original_words
+        self.distilled_types |= other.distilled_types
+        self.original_types |= other.original_types
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        """Plain figures: target/source word ratios and type/token ratios of the kept
+        pairs' distilled and original targets, and the decode time of all sentences."""
+        return {
+            "translated": self.translated,
+            "decode_seconds": round(self.decode_seconds, 3),
+            "kept": self.kept,
+            "length_ratio": {"distilled": _ratio(self.distilled_words, self.source_words),
+                             "original": _ratio(self.original_words, self.source_words)},
+            "type_token_ratio": {
+                "distilled": _ratio(len(self.distilled_types), self.distilled_words),
+                "original": _ratio(len(self.original_types), self.original_words)},
+            "types": {"distilled": len(self.distilled_types),
+                      "original": len(self.original_types)},
+        }
+
+
+def _ratio(numerator: float, denominator: float) -> Optional[float]:
+    return round(numerator / denominator, 4) if denominator else None

@@ -1,0 +1,336 @@
+"""The `distill` stage: the teacher's beam-search translation of every training source.
+
+Contract:
+  reads   the `prepare` artifact: `train-*.jsonl` and `dev-*.jsonl`, lines
+          `{"id", "source", "target"}`; the `teacher` artifact (and, through its
+          manifest, its vocabulary).
+  writes  `<workdir>/distill/<key>/`, in the prepared format, so that the `encode_distilled`
+          stage (pipelines/encode.py) encodes it as `encode` encodes the prepared pairs:
+            train-SSSSS-of-NNNNN.jsonl   one line per kept pair, as many shards as the
+                  prepared train split: `{"id", "source", "target", "score",
+                  "target_tokens"}` with the prepared id and source, the teacher's
+                  translation as target, its log-probability as score (summed over its
+                  target_tokens tokens, EOS included);
+            dev-00000-of-00001.jsonl     the prepared dev pairs, unchanged: the student's
+                  dev loss and BLEU are measured against the original references;
+            rejects-00000-of-00001.jsonl `{"id", "reason", "source", "target", "hypothesis",
+                  "score", "source_tokens", "hypothesis_tokens"}` (target: the original;
+                  hypothesis: the teacher's); reasons and filters in
+                  components/distillation.py;
+            stats.json                   the figures of `DistillationStats`;
+            manifest.json   counts `read`, `kept`, `rejected.<reason>` (Beam counters; read
+                  = kept + rejected, checked) and `dev`; metrics `length_ratio` and
+                  `type_token_ratio` (distilled vs original targets of the kept pairs, in
+                  words), `kept_fraction` and `throughput` (sentences/s of the whole job,
+                  model loading and compilation included, and of the decode calls alone).
+
+Batching. Each source is keyed by the decoder shape its batch will have (the padded
+source width S and output width T of model/inference.py, from its token count with the
+teacher's tokenizer and the length buckets `encode.bucket_boundaries` the teacher was
+trained with) and by one of as many groups as the prepared train split has shards (a
+stable hash of its id, so that no single key holds a whole shape). Each group is ordered
+by source length, then id, and cut into batches of `distill.batch_size` (the last one of
+a group may be smaller), which RunInference decodes as they are (`with_no_batching`). So a
+batch holds sources of similar lengths and one static shape (the decoder compiles once per
+shape, at most one per bucket), and its contents do not depend on the runner: a rerun
+writes the same pairs. The batches are reshuffled before inference so that a runner spreads
+them over its workers; each worker process restores the teacher once
+(pipelines/inference.py). More prepared train shards mean more, smaller groups.
+
+Run it alone, locally (the in-process FnApiRunner):
+
+    PADIR_DATA_ROOT=/path/to/data python -m pipelines.distill --config configs/multi30k_en_de.yaml
+
+or on Dataflow (the workdir, with the teacher artifact, on GCS; one SDK process per VM so
+that JAX has the VM's cores):
+
+    python -m pipelines.distill --config configs/multi30k_en_de.yaml \\
+        --set workdir=gs://BUCKET/padir --runner DataflowRunner --project PROJECT \\
+        --region REGION --temp_location gs://BUCKET/tmp --sdk_container_image IMAGE \\
+        --sdk_location=container --experiments=no_use_multiple_sdk_containers
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import zlib
+from typing import Iterator, Mapping, Sequence
+
+import apache_beam as beam
+from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, RunInference
+
+from components import artifacts, corpus, dag, distillation
+from components import config as config_lib
+from components import tokenizer as tokenizer_lib
+from pipelines import options as options_lib
+from pipelines.inference import TranslationModelHandler
+
+NAMESPACE = "distill"  # of the Beam counters that become the manifest's counts
+STATS_FILE = "stats.json"
+_SHARDS = "-SSSSS-of-NNNNN"
+
+
+def method(settings: config_lib.DistillConfig) -> config_lib.DecodeMethod:
+    """The teacher's decoding method: beam search with the configured beam and penalty."""
+    return config_lib.DecodeMethod(
+        f"ar_beam{settings.beam_size}", "ar_beam", beam_size=settings.beam_size,
+        length_penalty=settings.length_penalty)
+
+
+# --- element logic and transforms --------------------------------------------------------
+
+
+def _counted(element, counter_name: str):
+    Metrics.counter(NAMESPACE, counter_name).inc()
+    return element
+
+
+class KeyByDecoderShape(beam.DoFn):
+    """A prepared pair -> ((S, T, group), (source tokens with EOS, pair)): the decoder
+    shape of its batch (`distillation.decoder_shape`) and one of `num_groups` groups."""
+
+    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, boundaries: Sequence[int],
+                 num_groups: int):
+        self._tokenizer = tokenizer  # pickles as its model bytes
+        self._boundaries = tuple(boundaries)
+        self._num_groups = num_groups
+
+    def process(self, pair: dict) -> Iterator[tuple[tuple[int, int, int], tuple[int, dict]]]:
+        length = len(self._tokenizer.encode([pair["source"]])[0]) + 1
+        group = zlib.crc32(pair["id"].encode("utf-8")) % self._num_groups  # stable: not hash()
+        yield (*distillation.decoder_shape(length, self._boundaries), group), (length, pair)
+
+
+def length_batches(group: tuple[tuple, Sequence[tuple[int, dict]]],
+                   batch_size: int) -> Iterator[list[tuple[dict, str]]]:
+    """One group's (source tokens, pair) members, shortest first (then by id),
+    `batch_size` at a time, as RunInference's keyed examples: (pair, source)."""
+    _, members = group
+    ordered = [pair for _, pair in sorted(
+        members, key=lambda member: (member[0], corpus.id_sort_key(member[1]["id"])))]
+    for start in range(0, len(ordered), batch_size):
+        yield [(pair, pair["source"]) for pair in ordered[start:start + batch_size]]
+
+
+class BatchByLength(beam.PTransform):
+    """Prepared pairs -> batches of up to `batch_size` (pair, source) examples of one
+    decoder shape, sorted by source length (see the module docstring)."""
+
+    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, boundaries: Sequence[int], *,
+                 batch_size: int, num_groups: int):
+        super().__init__()
+        self._key = KeyByDecoderShape(tokenizer, boundaries, num_groups)
+        self._batch_size = batch_size
+
+    def expand(self, pairs):
+        return (
+            pairs
+            | "KeyByShape" >> beam.ParDo(self._key)
+            | "GroupByShape" >> beam.GroupByKey()
+            | "CutBatches" >> beam.FlatMap(length_batches, self._batch_size)
+            | "SpreadBatches" >> beam.Reshuffle()
+        )
+
+
+def judge(keyed: tuple[dict, PredictionResult],
+          settings: config_lib.DistillConfig) -> distillation.Verdict:
+    """(pair, its translation) -> the verdict, counted as `kept` or `rejected.<reason>`."""
+    pair, result = keyed
+    verdict = distillation.judge(pair, result.inference, settings)
+    Metrics.counter(NAMESPACE,
+                    "kept" if verdict.reason is None else f"rejected.{verdict.reason}").inc()
+    return verdict
+
+
+def _is_rejected(verdict: distillation.Verdict, num_partitions: int) -> int:
+    return int(verdict.reason is not None)
+
+
+class SummarizeDistillation(beam.CombineFn):
+    """Verdicts -> `DistillationStats.summary()`."""
+
+    def create_accumulator(self):
+        return distillation.DistillationStats()
+
+    def add_input(self, accumulator, verdict):
+        return accumulator.add(verdict)
+
+    def merge_accumulators(self, accumulators):
+        merged = distillation.DistillationStats()
+        for accumulator in accumulators:
+            merged.merge(accumulator)
+        return merged
+
+    def extract_output(self, accumulator):
+        return accumulator.summary()
+
+
+def _to_json(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False)
+
+
+# --- the job --------------------------------------------------------------------------------
+
+
+def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: str,
+          teacher_uri: str, tokenizer: tokenizer_lib.Tokenizer, num_shards: int,
+          output_uri: str) -> None:
+    """Composes the job (see the module docstring); every output goes under `output_uri`.
+
+    Args:
+      tokenizer: the teacher's, for the batch keys (the handler loads its own copy).
+      num_shards: of the distilled train split, and the number of batching groups per
+        decoder shape (the prepared train split's shards).
+    """
+    settings = config.distill
+    # The teacher's buckets: its key includes the encode section, so these are its own.
+    boundaries = config.encode.bucket_boundaries
+    handler = TranslationModelHandler(teacher_uri, method(settings),
+                                      batch_size=settings.batch_size, boundaries=boundaries)
+    verdicts = (
+        pipeline
+        | "ReadTrain" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.TRAIN))
+        | "ParseJson" >> beam.Map(json.loads)
+        | "CountRead" >> beam.Map(_counted, "read")
+        | "BatchByLength" >> BatchByLength(tokenizer, boundaries,
+                                           batch_size=settings.batch_size,
+                                           num_groups=num_shards)
+        | "Translate" >> RunInference(KeyedModelHandler(handler).with_no_batching())
+        | "Judge" >> beam.Map(judge, settings)
+    )
+    kept, rejected = verdicts | "SeparateRejects" >> beam.Partition(_is_rejected, 2)
+    _ = (
+        kept
+        | "KeptRecords" >> beam.Map(lambda verdict: _to_json(verdict.kept_record()))
+        | "WriteTrain" >> beam.io.WriteToText(
+            artifacts.join(output_uri, corpus.TRAIN), file_name_suffix=".jsonl",
+            num_shards=num_shards, shard_name_template=_SHARDS)
+    )
+    _ = (
+        rejected
+        | "RejectRecords" >> beam.Map(lambda verdict: _to_json(verdict.reject_record()))
+        | "WriteRejects" >> beam.io.WriteToText(
+            artifacts.join(output_uri, corpus.REJECTS), file_name_suffix=".jsonl",
+            num_shards=1, shard_name_template=_SHARDS)
+    )
+    _ = (
+        verdicts
+        | "Summarize" >> beam.CombineGlobally(SummarizeDistillation())
+        | "FormatStats" >> beam.Map(json.dumps, sort_keys=True)
+        | "WriteStats" >> beam.io.WriteToText(
+            artifacts.join(output_uri, STATS_FILE), num_shards=1, shard_name_template="")
+    )
+    _ = (
+        pipeline
+        | "ReadDev" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.DEV))
+        | "CountDev" >> beam.Map(_counted, "dev")
+        | "WriteDev" >> beam.io.WriteToText(
+            artifacts.join(output_uri, corpus.DEV), file_name_suffix=".jsonl",
+            num_shards=1, shard_name_template=_SHARDS)
+    )
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def collect_counts(result) -> dict[str, int]:
+    """`read`, `kept`, `rejected.<reason>` (zero where none) and `dev`, from the counters."""
+    counts = {"read": 0, "kept": 0, "dev": 0}
+    counts.update({f"rejected.{reason}": 0 for reason in distillation.REASONS})
+    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+    for counter in found["counters"]:
+        value = counter.committed if counter.committed is not None else counter.attempted
+        name = counter.key.metric.name
+        counts[name] = counts.get(name, 0) + value
+    return dict(sorted(counts.items()))
+
+
+def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, int]) -> None:
+    """Every source read is kept or rejected, and every one was translated."""
+    rejected = sum(counts[f"rejected.{reason}"] for reason in distillation.REASONS)
+    if (counts["read"] != counts["kept"] + rejected or stats["translated"] != counts["read"]
+            or stats["kept"] != counts["kept"]):
+        raise RuntimeError(f"distill: counts do not add up: {dict(counts)}, "
+                           f"translated {stats['translated']}, kept {stats['kept']}")
+
+
+def _glob(pattern: str) -> list[str]:
+    fs, path = artifacts.filesystem(pattern)
+    return sorted(fs.glob(path))
+
+
+def _read_json(uri: str) -> dict:
+    fs, path = artifacts.filesystem(uri)
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
+def teacher_tokenizer(teacher: artifacts.Artifact) -> tokenizer_lib.Tokenizer:
+    """The vocabulary the teacher was trained with (an input of its artifact)."""
+    return tokenizer_lib.Tokenizer.load(
+        artifacts.join(teacher.manifest["inputs"]["vocab"], tokenizer_lib.MODEL_FILE))
+
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Translates the prepared train split with the teacher; publishes the distill artifact."""
+    logging.info("distill stage, config:\n%s", config_lib.dump(config))
+    prepared = dag.require_input(config, "prepare")
+    teacher = dag.require_input(config, "teacher")
+    shards = {split: _glob(corpus.split_pattern(prepared.uri, split))
+              for split in (corpus.TRAIN, corpus.DEV)}
+    for split, files in shards.items():  # structural errors before any work starts
+        if not files:
+            raise FileNotFoundError(f"prepare artifact {prepared.uri} has no {split} split")
+    with artifacts.write(
+        config.workdir, "distill", dag.stage_key(config, "distill"),
+        config=dag.section_values(config, "distill"),
+        config_yaml=config_lib.dump(config),
+        inputs={"prepare": prepared.uri, "teacher": teacher.uri},
+    ) as out:
+        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+        build(pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
+              tokenizer=teacher_tokenizer(teacher), num_shards=len(shards[corpus.TRAIN]),
+              output_uri=out.tmp_uri)
+        started = time.perf_counter()
+        result = pipeline.run()
+        result.wait_until_finish()
+        seconds = time.perf_counter() - started
+        counts = collect_counts(result)
+        stats = _read_json(artifacts.join(out.tmp_uri, STATS_FILE))
+        _check_accounting(counts, stats)
+        if counts["read"] and not counts["kept"]:  # a student cannot train on nothing
+            raise RuntimeError(f"distill: the teacher's translations were all rejected "
+                               f"({counts}); is the teacher trained?")
+        out.counts.update(counts)
+        out.metrics.update(
+            length_ratio=stats["length_ratio"], type_token_ratio=stats["type_token_ratio"],
+            types=stats["types"],
+            kept_fraction=round(counts["kept"] / counts["read"], 4) if counts["read"] else None,
+            throughput={
+                "sentences": counts["read"], "seconds": round(seconds, 3),
+                "sentences_per_s": round(counts["read"] / seconds, 2),
+                "decode_seconds": stats["decode_seconds"],
+                "decode_sentences_per_s": (round(counts["read"] / stats["decode_seconds"], 2)
+                                           if stats["decode_seconds"] else None)})
+    artifact = artifacts.read(dag.output_uri(config, "distill"))
+    logging.info("distill: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
+    return artifact
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO)
+    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
+    artifact = run(config, beam_args=beam_args)
+    print(f"distill: {artifact.uri}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run through the package so pickled functions refer to `pipelines.distill`, not `__main__`.
+    from pipelines import distill as _distill
+
+    sys.exit(_distill.main(sys.argv[1:]))

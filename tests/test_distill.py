@@ -1,0 +1,268 @@
+"""The distill stage (pipelines/distill.py), its element logic (components/distillation.py),
+and the student's distilled training data (`encode_distilled`, model/stages.py).
+
+The stage tests run the real prepare and vocab stages on the tiny Multi30k slice and
+distill it with an *untrained* tiny teacher (`publish_untrained`): its translations are
+nonsense that rarely stops before the output width, which exercises the rejects as much
+as the kept pairs. One length bucket keeps it to one compiled decoder shape.
+"""
+
+import dataclasses
+import json
+import os
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from components import artifacts, corpus, dag, distillation
+from components import config as config_lib
+from components.config import ConfigError, DistillConfig
+from components.tokenizer import EOS_ID
+from flows import cli
+from pipelines import distill
+from tiny_experiment import publish_untrained, tiny_config
+
+# --- element logic -----------------------------------------------------------------------
+
+
+def _translation(tokens: int, *, eos: bool = True, text: str = "ein Hund", score: float = -1.0,
+                 source_tokens: int = 5, truncated: bool = False) -> dict:
+    ids = [7] * (tokens - 1) + [EOS_ID if eos else 7]
+    return {"hypothesis": text, "tokens": ids, "score": score, "source_tokens": source_tokens,
+            "truncated": truncated, "latency_s": 0.5}
+
+
+def test_each_reason_rejects_exactly_what_it_names_first_match_wins():
+    filters = DistillConfig(max_length_ratio=2.0, min_token_log_prob=-1.0, length_penalty=0.0)
+    cases = [
+        (_translation(5), None),
+        (_translation(5, truncated=True, eos=False), "source_too_long"),
+        (_translation(5, eos=False), "unfinished"),
+        (_translation(1, text=""), "empty"),
+        (_translation(3, text=" "), "empty"),
+        (_translation(11), "length_ratio"),  # 11 / 5 > 2
+        (_translation(10), None),  # 10 / 5 = 2: not above
+        (_translation(2), "length_ratio"),  # 5 / 2 > 2, the other way
+        (_translation(5, score=-5.5), "low_score"),  # -1.1 per token
+        (_translation(5, score=-5.0), None),  # -1.0 per token: not below
+        (_translation(11, score=-99.0), "length_ratio"),
+    ]
+    assert [distillation.rejection(t, filters) for t, _ in cases] == [r for _, r in cases]
+    unfiltered = DistillConfig(max_length_ratio=None, min_token_log_prob=None)
+    assert [distillation.rejection(t, unfiltered) for t, _ in cases].count(None) == 7
+
+
+def test_the_score_is_the_log_probability_without_length_penalty():
+    # The beam scores log-prob / ((5 + length) / 6) ** alpha: length 7 -> penalty 2 ** alpha.
+    assert distillation.log_prob(_translation(7, score=-3.0), 1.0) == pytest.approx(-6.0)
+    assert distillation.log_prob(_translation(7, score=-3.0), 0.0) == pytest.approx(-3.0)
+    verdict = distillation.judge({"id": "train:000001", "source": "a dog", "target": "ein Hund"},
+                                 _translation(7, score=-3.0, text="Hund"),
+                                 DistillConfig(length_penalty=1.0))
+    assert verdict.kept_record() == {"id": "train:000001", "source": "a dog", "target": "Hund",
+                                     "score": -6.0, "target_tokens": 7}
+    assert verdict.reason is None and verdict.decode_seconds == 0.5
+
+
+def test_stats_compare_distilled_and_original_targets_on_kept_pairs():
+    def verdict(hypothesis, target, reason=None):
+        return distillation.Verdict("i", "a b", target, hypothesis, -1.0, 3, 3, reason, 0.25)
+
+    left = distillation.DistillationStats().add(verdict("x x y", "x y z w"))
+    right = distillation.DistillationStats().add(verdict("x y", "z z")).add(
+        verdict("q r s t u v", "q", reason="length_ratio"))
+    summary = left.merge(right).summary()
+    assert summary["translated"] == 3 and summary["kept"] == 2
+    assert summary["decode_seconds"] == 0.75
+    assert summary["length_ratio"] == {"distilled": 5 / 4, "original": 6 / 4}
+    assert summary["type_token_ratio"] == {"distilled": 2 / 5, "original": round(4 / 6, 4)}
+    assert distillation.DistillationStats().summary()["length_ratio"]["distilled"] is None
+
+
+def test_the_config_refuses_meaningless_values():
+    defaults = DistillConfig()
+    assert defaults.enabled and (defaults.beam_size, defaults.length_penalty) == (4, 0.6)
+    for bad in ({"beam_size": 0}, {"batch_size": 0}, {"max_length_ratio": 0.5},
+                {"min_token_log_prob": 0.5}, {"length_penalty": -1.0}):
+        with pytest.raises(ConfigError, match="distill"):
+            DistillConfig(**bad)
+
+
+def test_batches_are_cut_shortest_first_then_by_id():
+    members = [(length, {"id": f"train:{i:06d}", "source": f"s{i}"})
+               for length, i in ((9, 5), (7, 3), (9, 2), (7, 8), (8, 1))]
+    batches = list(distill.length_batches(((16, 32, 0), members), 2))
+    assert [[pair["id"][-1] for pair, _ in batch] for batch in batches] == \
+        [["3", "8"], ["1", "2"], ["5"]]
+    assert all(source == pair["source"] for batch in batches for pair, source in batch)
+
+
+@pytest.mark.parametrize("boundaries", [(16, 32, 64), (8, 24, 40), (64,)])
+def test_decoder_shapes_are_those_the_translator_pads_to(boundaries):
+    from model import inference
+
+    for length in range(1, 90):
+        cut = min(length, boundaries[-1])  # the Translator cuts sources to the widest bucket
+        assert distillation.decoder_shape(length, boundaries) == (
+            inference.bucket(cut, boundaries), inference.output_width(cut, boundaries))
+
+
+# --- the stage ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    config = tiny_config(str(tmp_path_factory.mktemp("distill")),
+                         "encode.bucket_boundaries=[64]",
+                         "distill.max_length_ratio=null")
+    for stage in ("prepare", "vocab"):
+        cli.run_stage(stage, config)
+    publish_untrained(config, "teacher")
+    return config
+
+
+def _lines(uri: str, split: str) -> list[dict]:
+    fs, pattern = artifacts.filesystem(corpus.split_pattern(uri, split))
+    records = []
+    for path in sorted(fs.glob(pattern)):
+        with fs.open(path, "rb") as f:
+            records += [json.loads(line) for line in f.read().split(b"\n") if line]
+    return sorted(records, key=lambda record: corpus.id_sort_key(record["id"]))
+
+
+@pytest.fixture(scope="module")
+def distilled(config):
+    artifact = cli.run_stage("distill", config)
+    return artifact, _lines(artifact.uri, "train"), _lines(artifact.uri, "rejects")
+
+
+def test_batch_by_length_keeps_every_pair_once_in_sorted_batches_of_one_shape(config):
+    tokenizer = distill.teacher_tokenizer(dag.require_input(config, "teacher"))
+    pairs = list(corpus.read_split(dag.output_uri(config, "prepare"), "train"))[:80]
+    boundaries = (16, 32, 64)
+
+    def describe(batch):
+        lengths = [len(tokenizer.encode([source])[0]) + 1 for _, source in batch]
+        keys = [(length, corpus.id_sort_key(pair["id"]))
+                for length, (pair, _) in zip(lengths, batch)]
+        shapes = {distillation.decoder_shape(length, boundaries) for length in lengths}
+        return len(batch) <= 4, len(shapes), keys == sorted(keys)
+
+    with BeamTestPipeline(runner="FnApiRunner") as p:
+        batches = p | beam.Create(pairs) | distill.BatchByLength(
+            tokenizer, boundaries, batch_size=4, num_groups=2)
+        ids = batches | beam.FlatMap(lambda batch: [pair["id"] for pair, _ in batch])
+        assert_that(ids, equal_to([pair["id"] for pair in pairs]), label="EveryPairOnce")
+        assert_that(batches | beam.Map(describe) | beam.Distinct(), equal_to([(True, 1, True)]),
+                    label="OneShapeSorted")
+        # Only a group's last batch is short: at most one per shape and group.
+        short = batches | beam.Filter(lambda batch: len(batch) < 4) | beam.combiners.Count.Globally()
+        assert_that(short | beam.Map(lambda n: n <= 4 * 2), equal_to([True]), label="FewShort")
+
+
+def test_every_source_is_kept_or_a_counted_reject_aligned_by_id(config, distilled):
+    artifact, kept, rejects = distilled
+    prepared = {p["id"]: p for p in corpus.read_split(dag.output_uri(config, "prepare"), "train")}
+    counts = artifact.manifest["counts"]
+    assert len(prepared) == counts["read"] == 200
+    assert sorted({r["id"] for r in kept} | {r["id"] for r in rejects},
+                  key=corpus.id_sort_key) == list(prepared)
+    assert not {r["id"] for r in kept} & {r["id"] for r in rejects}
+    assert counts["kept"] == len(kept) > 0
+    assert counts["read"] == counts["kept"] + sum(counts[f"rejected.{reason}"]
+                                                  for reason in distillation.REASONS)
+    for reason in distillation.REASONS:
+        assert counts[f"rejected.{reason}"] == sum(r["reason"] == reason for r in rejects)
+    assert counts["rejected.unfinished"] > 0  # untrained: most beams never stop
+    for record in kept:
+        assert set(record) == {"id", "source", "target", "score", "target_tokens"}
+        assert record["source"] == prepared[record["id"]]["source"]
+        assert record["target"] and record["score"] < 0
+    for record in rejects:
+        assert record["target"] == prepared[record["id"]]["target"]  # the original
+    assert artifact.manifest["inputs"] == {"prepare": dag.output_uri(config, "prepare"),
+                                           "teacher": dag.output_uri(config, "teacher")}
+    # The dev split is the prepared one, untouched: the student's dev BLEU is unchanged.
+    assert _lines(artifact.uri, "dev") == list(
+        corpus.read_split(dag.output_uri(config, "prepare"), "dev"))
+    assert counts["dev"] == len(_lines(artifact.uri, "dev"))
+    metrics = artifact.manifest["metrics"]
+    assert metrics["length_ratio"]["original"] == pytest.approx(1.0, abs=0.3)
+    assert 0 < metrics["type_token_ratio"]["distilled"] <= 1
+    assert metrics["throughput"]["sentences_per_s"] > 0
+    assert metrics["kept_fraction"] == pytest.approx(len(kept) / 200, abs=1e-4)
+
+
+def test_a_rerun_writes_identical_pairs_and_rejects(config, distilled):
+    _, kept, rejects = distilled
+    again = cli.run_stage("distill", config)
+    assert again.uri == distilled[0].uri
+    assert _lines(again.uri, "train") == kept
+    assert _lines(again.uri, "rejects") == rejects
+
+
+def test_filters_reject_exactly_the_pairs_they_should(config, distilled):
+    _, kept, _ = distilled
+    tokenizer = distill.teacher_tokenizer(dag.require_input(config, "teacher"))
+    source_tokens = {r["id"]: len(tokenizer.encode([r["source"]])[0]) + 1 for r in kept}
+    ratio = {r["id"]: r["target_tokens"] / source_tokens[r["id"]] for r in kept}
+    max_ratio = 1.5
+    too_long = {i for i, value in ratio.items() if max(value, 1 / value) > max_ratio}
+    per_token = sorted({r["score"] / r["target_tokens"] for r in kept if r["id"] not in too_long})
+    assert too_long and len(per_token) >= 2, "the untrained teacher's outputs changed"
+    # Halfway across the widest gap: far from every (rounded) score the filter compares.
+    _, below, above = max((b - a, a, b) for a, b in zip(per_token, per_token[1:]))
+    threshold = (below + above) / 2
+    low = {r["id"] for r in kept
+           if r["id"] not in too_long and r["score"] / r["target_tokens"] < threshold}
+
+    filtered = config.replace(distill=dataclasses.replace(
+        config.distill, max_length_ratio=max_ratio, min_token_log_prob=threshold))
+    artifact = cli.run_stage("distill", filtered)
+    assert artifact.uri != distilled[0].uri  # a filter setting is part of the key
+    counts = artifact.manifest["counts"]
+    rejects = _lines(artifact.uri, "rejects")
+    assert counts["rejected.length_ratio"] == len(too_long)
+    assert counts["rejected.low_score"] == len(low) > 0
+    assert {r["id"] for r in rejects if r["reason"] == "length_ratio"} == too_long
+    assert {r["id"] for r in rejects if r["reason"] == "low_score"} == low
+    assert [r["id"] for r in _lines(artifact.uri, "train")] == \
+        [r["id"] for r in kept if r["id"] not in too_long | low]
+
+
+def test_the_student_trains_on_the_encoded_distilled_pairs(config, distilled, monkeypatch):
+    from model import stages
+
+    artifact, kept, _ = distilled
+    encoded = cli.run_stage("encode_distilled", config)
+    assert encoded.uri == dag.output_uri(config, "encode_distilled")
+    assert encoded.manifest["inputs"] == {"distill": artifact.uri,
+                                          "vocab": dag.output_uri(config, "vocab")}
+    counts = encoded.manifest["counts"]
+    assert counts["read.train"] == len(kept)
+    assert counts["read.dev"] == artifact.manifest["counts"]["dev"]
+
+    read = []
+    real_split_files = stages.input_pipeline.split_files
+    monkeypatch.setattr(stages.input_pipeline, "split_files",
+                        lambda uri, split: read.append(uri) or real_split_files(uri, split))
+    tokenizer = stages.load_tokenizer(config)
+    data = stages.training_data(config, "train", tokenizer)
+    assert set(read) == {encoded.uri}
+    assert len(data.references) == counts["encoded.dev"]
+    off = config.replace(distill=dataclasses.replace(config.distill, enabled=False))
+    with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
+        stages.training_data(off, "train", tokenizer)  # the originals: not encoded here
+    with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
+        stages.run_student(off)
+    assert not os.path.exists(os.path.join(config.workdir, "train"))  # no partial left
+
+
+def test_distill_is_a_padir_stage(config):
+    for stage in ("distill", "encode_distilled"):
+        assert cli.build_parser().parse_args(["stage", stage, "c.yaml"]).name == stage
+    lonely = config.replace(workdir=config.workdir + "-empty")
+    with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage prepare"):
+        cli.run_stage("distill", lonely)
