@@ -347,8 +347,8 @@ class DistillConfig:
     With `enabled`, the teacher translates every training source by beam search
     (`beam_size`, GNMT `length_penalty`) and the student trains on these targets (stages
     `distill`, then `encode_distilled`); without, it trains on the original pairs, like
-    the teacher, and neither stage runs. Sources are decoded `batch_size` at a time, in
-    batches of sources with the same number of tokens.
+    the teacher, and neither stage runs. Sources are decoded `batch_size` at a time, each
+    batch of one decoder shape and sorted by length (pipelines/distill.py).
 
     Every pair is kept or rejected with its reason (components/distillation.py): always
     `empty`, `unfinished` (no EOS within the output width) and `source_too_long` (cut to

@@ -7,9 +7,12 @@ of its figures into an output directory:
   training set of `num_samples` exact draws; theta_hat_k = argmin of the k-pseudolikelihood
   on that same set for every k = 1 .. N; error ||theta_hat_k - theta*||_2 (theta: the
   upper triangle of J, then h). Mean and standard error over seeds, for a weakly coupled
-  model (J_ij ~ N(0, (weak_coupling / sqrt N)^2), h_i ~ N(0, weak_field^2)) and a peaked
+  model (J_ij ~ N(0, (weak_coupling / sqrt N)^2), h_i ~ N(0, weak_field^2)), the same
+  couplings scaled up to a strongly coupled random-sign one ("strong"), and a peaked
   two-mode one (ferromagnetic J_ij = peaked_coupling / N for every pair, h = 0). Every k
-  sees the same data, so the differences between k are paired.
+  sees the same data, so the differences between k are paired (and reported as such: the
+  excess error over the k = N estimate, the MLE). The training sets enter as histograms
+  over the 2^N states, so their size costs nothing; compiling the fit once per k does.
 - `run_sampling` (Propositions 4-5, Corollary 1): a strongly ferromagnetic model (J_ij = J
   for every pair, h_i = field > 0, so the all-(+1) mode is e^{2 N field} times heavier than
   the all-(-1) one). Every chain starts at x = -1 (the smaller mode); a chain has *reached
@@ -46,11 +49,13 @@ log = logging.getLogger(__name__)
 class MaskingConfig:
     num_spins: int = 8
     num_samples: int = 2000  # the training-set size, the same for every k
-    num_seeds: int = 8  # training sets (the error bars are over these)
+    num_seeds: int = 16  # training sets (the error bars are over these); cheap: vmapped
     max_subsets: int = 64  # blocks K per k: all C(N, k) if fewer, else this many at random
-    lbfgs_steps: int = 50
+    lbfgs_max_steps: int = 500  # L-BFGS runs to convergence: gradient norm < lbfgs_tol
+    lbfgs_tol: float = 1e-5
     weak_coupling: float = 0.8  # std of J_ij is weak_coupling / sqrt(N)
-    weak_field: float = 0.2
+    strong_coupling: float = 1.6  # the same couplings, scaled up: a strongly coupled glass
+    weak_field: float = 0.2  # std of h_i (weak and strong models)
     peaked_coupling: float = 2.5  # J_ij = peaked_coupling / N (beyond the critical 1)
     seed: int = 0
 
@@ -67,7 +72,7 @@ class SamplingConfig:
     seed: int = 0
 
 
-QUICK_MASKING = dict(num_spins=7, num_samples=1000, num_seeds=5, lbfgs_steps=40)
+QUICK_MASKING = dict(num_spins=7, num_samples=1000, num_seeds=12)
 QUICK_SAMPLING = dict(num_chains=64, budget=500)
 
 
@@ -83,13 +88,17 @@ def sampling_config(quick: bool = False) -> SamplingConfig:
 
 
 def masking_models(config: MaskingConfig) -> dict[str, ising.IsingParams]:
-    """The two ground truths, {"weak": ..., "peaked": ...}, fixed by config.seed."""
+    """The ground truths {"weak", "strong", "peaked"}, fixed by config.seed; "strong" has the
+    couplings of "weak" scaled by strong_coupling / weak_coupling (random signs both)."""
     n = config.num_spins
     rng = np.random.default_rng(config.seed)
-    upper = np.triu(rng.normal(0.0, config.weak_coupling / math.sqrt(n), (n, n)), k=1)
-    weak = ising.make_params(upper + upper.T, rng.normal(0.0, config.weak_field, n))
-    peaked = ising.make_params(np.full((n, n), config.peaked_coupling / n), np.zeros(n))
-    return {"weak": weak, "peaked": peaked}
+    upper = np.triu(rng.normal(0.0, 1.0 / math.sqrt(n), (n, n)), k=1)
+    fields = rng.normal(0.0, config.weak_field, n)
+    return {
+        "weak": ising.make_params(config.weak_coupling * (upper + upper.T), fields),
+        "strong": ising.make_params(config.strong_coupling * (upper + upper.T), fields),
+        "peaked": ising.make_params(np.full((n, n), config.peaked_coupling / n), np.zeros(n)),
+    }
 
 
 def _blocks(key: jax.Array, num_spins: int, k: int, max_subsets: int) -> jax.Array:
@@ -99,37 +108,46 @@ def _blocks(key: jax.Array, num_spins: int, k: int, max_subsets: int) -> jax.Arr
     return ising.random_subsets(key, num_spins, k, max_subsets)
 
 
-def fit_seeds(counts: jax.Array, blocks: jax.Array, num_steps: int) -> jax.Array:
+def fit_seeds(counts: jax.Array, blocks: jax.Array, max_steps: int,
+              tol: float) -> tuple[jax.Array, ising.FitInfo]:
     """`ising.fit_k_pl` on every training set at once, each given as its histogram over the
     2^N states (the cost does not grow with its size): counts [S, 2^N], blocks [S, C, k] ->
-    theta_hat [S, N(N+1)/2]."""
+    (theta_hat [S, N(N+1)/2], FitInfo of [S])."""
     states = ising.spin_states(counts.shape[-1].bit_length() - 1)  # counts: 2^N columns
 
     def fit(weights, subsets):
-        return ising.fit_k_pl(states, subsets, weights, num_steps=num_steps)[0]
+        return ising.fit_k_pl(states, subsets, weights, max_steps=max_steps, tol=tol)
 
     return jax.vmap(fit)(counts, blocks)
 
 
-# Compiled once per k (the blocks' shape), shared by both models.
-jit_fit_seeds = jax.jit(fit_seeds, static_argnames=("num_steps",))
+# Compiled once per k (the blocks' shape), shared by all models.
+jit_fit_seeds = jax.jit(fit_seeds, static_argnames=("max_steps", "tol"))
 
 
-def masking_errors(config: MaskingConfig, params: ising.IsingParams) -> np.ndarray:
-    """||theta_hat_k - theta*|| for every seed and k: float[num_seeds, N] (column k-1)."""
+def masking_errors(config: MaskingConfig, params: ising.IsingParams) -> tuple[np.ndarray, dict]:
+    """||theta_hat_k - theta*|| for every seed and k: float[num_seeds, N] (column k-1), and
+    the worst L-BFGS convergence over seeds per k {"steps": [N], "grad_norm": [N]}."""
     n = config.num_spins
     theta_star = ising.params_to_theta(params)
     data_keys = jax.random.split(jax.random.key(config.seed), config.num_seeds)
     counts = jax.vmap(lambda key: ising.sample_counts(key, params, config.num_samples))(
         data_keys)  # [seeds, 2^N]: the training sets
     errors = np.zeros((config.num_seeds, n))
+    fits = {"steps": [], "grad_norm": []}
     for k in range(1, n + 1):  # k changes shapes: one compiled fit per k
         block_keys = jax.random.split(jax.random.fold_in(jax.random.key(config.seed), k),
                                       config.num_seeds)
         blocks = jnp.stack([_blocks(key, n, k, config.max_subsets) for key in block_keys])
-        theta_hat = jit_fit_seeds(counts, blocks, num_steps=config.lbfgs_steps)
+        theta_hat, info = jit_fit_seeds(counts, blocks, max_steps=config.lbfgs_max_steps,
+                                        tol=config.lbfgs_tol)
         errors[:, k - 1] = np.asarray(jnp.linalg.norm(theta_hat - theta_star, axis=-1))
-    return errors
+        fits["steps"].append(int(info.steps.max()))
+        fits["grad_norm"].append(float(info.grad_norm.max()))
+        if fits["grad_norm"][-1] >= config.lbfgs_tol:
+            log.warning("k=%d: L-BFGS stopped at %d steps with gradient norm %.2g (> %g)", k,
+                        fits["steps"][-1], fits["grad_norm"][-1], config.lbfgs_tol)
+    return errors, fits
 
 
 def run_masking(out_dir: str, config: MaskingConfig) -> dict:
@@ -138,7 +156,7 @@ def run_masking(out_dir: str, config: MaskingConfig) -> dict:
     start = time.perf_counter()
     figures = {}
     for name, params in masking_models(config).items():
-        errors = masking_errors(config, params)  # [seeds, N]
+        errors, fits = masking_errors(config, params)  # [seeds, N]
         # Paired with the maximum-likelihood estimate (k = N) on the same training set.
         gap = errors - errors[:, -1:]
         figures[name] = {
@@ -149,6 +167,8 @@ def run_masking(out_dir: str, config: MaskingConfig) -> dict:
             "gap_to_mle_mean": _round(gap.mean(0)),
             "gap_to_mle_se": _round(_standard_error(gap)),
             "error_per_seed": [_round(row) for row in errors],
+            "lbfgs_steps_max": fits["steps"],
+            "lbfgs_grad_norm_max": [float(f"{g:.3g}") for g in fits["grad_norm"]],
         }
         log.info("masking %s: error per k %s", name, figures[name]["error_mean"])
     result = {"config": dataclasses.asdict(config), "figures": figures,
@@ -158,17 +178,18 @@ def run_masking(out_dir: str, config: MaskingConfig) -> dict:
 
 
 def _plot_masking(result: dict):
-    figure, canvas = _figure(figsize=(9, 6.4))
+    columns = len(result["figures"])
+    figure, canvas = _figure(figsize=(4.5 * columns, 6.4))
     config = result["config"]
     for column, (name, fig) in enumerate(result["figures"].items()):
-        error_axes = figure.add_subplot(2, 2, column + 1)
+        error_axes = figure.add_subplot(2, columns, column + 1)
         error_axes.errorbar(fig["k"], fig["error_mean"], yerr=fig["error_se"], marker="o",
                             capsize=3)
         error_axes.set_ylabel(r"$\|\hat\theta_k - \theta^*\|_2$")
-        error_axes.set_title(f"{name} model (N={config['num_spins']}, "
-                             f"{config['num_samples']} samples)")
+        error_axes.set_title(f"{name} model: N={config['num_spins']}, "
+                             f"{config['num_samples']} samples")
         # The same training sets for every k: the paired gap has much smaller error bars.
-        gap_axes = figure.add_subplot(2, 2, column + 3, sharex=error_axes)
+        gap_axes = figure.add_subplot(2, columns, columns + column + 1, sharex=error_axes)
         gap_axes.errorbar(fig["k"], fig["gap_to_mle_mean"], yerr=fig["gap_to_mle_se"],
                           marker="o", capsize=3, color="C1")
         gap_axes.axhline(0.0, color="grey", linewidth=1)

@@ -19,7 +19,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from components import artifacts, corpus, dag, report
+from components import corpus, dag, report
 from components import score as score_stage
 from components import config as config_lib
 from components.config import ConfigError, DecodeMethod

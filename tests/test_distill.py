@@ -17,7 +17,6 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from components import artifacts, corpus, dag, distillation
-from components import config as config_lib
 from components.config import ConfigError, DistillConfig
 from components.tokenizer import EOS_ID
 from flows import cli

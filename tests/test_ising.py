@@ -172,10 +172,9 @@ def test_fit_recovers_theta_and_k_pl_with_k_n_minus_2_is_the_mle():
     n = 4
     params = random_params(n, seed=8)
     data = ising.jit_sample_exact(jax.random.key(5), params, num_samples=20000)
-    theta_hat, losses = ising.jit_fit_k_pl(data, jnp.asarray(ising.all_subsets(n, 2)),
-                                           num_steps=30)
+    theta_hat, info = ising.jit_fit_k_pl(data, jnp.asarray(ising.all_subsets(n, 2)))
+    assert info.grad_norm < 1e-5 and info.steps < 500
     assert jnp.linalg.norm(theta_hat - ising.params_to_theta(params)) < 0.1
-    assert losses[-1] <= losses[0]
     # The MLE is the one model whose moments E x_i and E x_i x_j are the data's.
     states, probs = enumerate_probs(ising.theta_to_params(theta_hat, n))
     data = np.asarray(data, np.float64)

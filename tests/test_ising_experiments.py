@@ -12,7 +12,7 @@ from model import ising_experiments
 def test_masking_writes_figures(tmp_path):
     # max_subsets=1 < C(2, 1): the k = 1 loss uses one random block per training set.
     config = ising_experiments.MaskingConfig(num_spins=2, num_samples=200, num_seeds=2,
-                                             lbfgs_steps=5, max_subsets=1)
+                                             lbfgs_max_steps=5, max_subsets=1)
     result = ising_experiments.run_masking(str(tmp_path), config)
     for name in ("masking.png", "masking.json"):
         assert os.path.getsize(tmp_path / name) > 0
@@ -22,7 +22,7 @@ def test_masking_writes_figures(tmp_path):
         assert figure["k"] == [1, 2]
         assert np.array(figure["error_per_seed"]).shape == (2, 2)
         assert figure["gap_to_mle_mean"][-1] == 0.0  # k = N is the reference
-    assert set(result["figures"]) == {"weak", "peaked"}
+    assert set(result["figures"]) == {"weak", "strong", "peaked"}
 
 
 def test_sampling_writes_figures(tmp_path):

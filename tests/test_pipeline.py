@@ -153,7 +153,7 @@ def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
         assert os.path.isfile(os.path.join(config.workdir, ".prefect", "results",
                                            f"{stage}-{artifact.key}"))
     assert set(task_states(state, len(order)).values()) == {"Completed"}
-    assert artifact_keys(state) >= {f"padir-{stage}" for stage in order}
+    assert artifact_keys(state) >= {pipeline.artifact_key(stage) for stage in order}
 
     ran.clear()
     again = run_flow(str(config_path))
@@ -271,7 +271,7 @@ def test_manifests_and_the_report_become_prefect_artifacts(fake, fake_config):
 
     state = run_flow(fake_config)
     keys = artifact_keys(state)
-    assert {f"padir-{stage}" for stage in dag.STAGES} | {"padir-report"} <= keys
+    assert {pipeline.artifact_key(stage) for stage in dag.STAGES} | {"padir-report"} <= keys
     with _client() as client:
         (table,) = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["padir-vocab"])),
