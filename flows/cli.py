@@ -233,7 +233,8 @@ def _add_theory_command(commands) -> None:
                     "larger mode for k-Gibbs and independent parallel sampling.")
     theory.add_argument("--out", default="work/theory", metavar="DIR",
                         help="output directory (default work/theory)")
-    theory.add_argument("--quick", action="store_true", help="smaller runs (about 1.5 min)")
+    theory.add_argument("--quick", action="store_true",
+                        help="smaller runs (about 1.5 CPU-minutes instead of 4)")
 
 
 def _theory(args: argparse.Namespace) -> int:

@@ -5,8 +5,9 @@ of its figures into an output directory:
 
 - `run_masking` (Theorem 1, "masking more is statistically better"): for each seed, one
   training set of `num_samples` exact draws; theta_hat_k = argmin of the k-pseudolikelihood
-  on that same set for every k = 1 .. N; error ||theta_hat_k - theta*||_2 (theta: the
-  upper triangle of J, then h). Mean and standard error over seeds, for a weakly coupled
+  (over every k-block, or `max_subsets` random ones; L-BFGS to convergence) on that same
+  set for every k = 1 .. N; error ||theta_hat_k - theta*||_2 (theta: the upper triangle of
+  J, then h). Mean and standard error over seeds, for a weakly coupled
   model (J_ij ~ N(0, (weak_coupling / sqrt N)^2), h_i ~ N(0, weak_field^2)), the same
   couplings scaled up to a strongly coupled random-sign one ("strong"), and a peaked
   two-mode one (ferromagnetic J_ij = peaked_coupling / N for every pair, h = 0). Every k
@@ -72,7 +73,7 @@ class SamplingConfig:
     seed: int = 0
 
 
-QUICK_MASKING = dict(num_spins=7, num_samples=1000, num_seeds=12)
+QUICK_MASKING = dict(num_spins=7, num_seeds=12)
 QUICK_SAMPLING = dict(num_chains=64, budget=500)
 
 

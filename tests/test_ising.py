@@ -64,7 +64,8 @@ def test_k_pl_with_k_equal_n_is_the_exact_negative_log_likelihood():
 
 def test_k_pl_with_k_one_is_the_classic_pseudolikelihood():
     params = random_params(5, seed=2)
-    data = np.asarray(ising.jit_sample_exact(jax.random.key(1), params, num_samples=200), np.float64)
+    data = np.asarray(ising.jit_sample_exact(jax.random.key(1), params, num_samples=200),
+                      np.float64)
     couplings, fields = np.asarray(params.couplings, np.float64), np.asarray(params.fields)
     # Classic PL: sum_i -log p(x_i | x_-i), p(x_i | x_-i) = 1 / (1 + exp(-2 x_i a_i)).
     classic = np.mean([sum(math.log1p(math.exp(-2 * x[i] * (fields[i] + sum(
@@ -81,7 +82,8 @@ def test_block_conditional_matches_ratio_of_joint_probabilities():
     x = states[11]
     same_outside = np.all(np.delete(states, subset, axis=1) == np.delete(x, subset), axis=1)
     expected = probs[11] / probs[same_outside].sum()
-    got = jax.jit(ising.conditional_log_prob)(params, jnp.asarray(x, jnp.float32), jnp.asarray(subset))
+    got = jax.jit(ising.conditional_log_prob)(params, jnp.asarray(x, jnp.float32),
+                                              jnp.asarray(subset))
     np.testing.assert_allclose(np.exp(got), expected, rtol=1e-5)
 
 
@@ -140,16 +142,15 @@ def test_sampler_steps_follow_their_transition_matrix(sampler, k):
 
 
 def test_k_pl_is_convex_in_theta():
-    n = 4
+    n, k = 4, 2
     data = ising.jit_sample_exact(jax.random.key(3), random_params(n, seed=6), num_samples=200)
-    for k in (1, 2):
-        blocks = jnp.asarray(ising.all_subsets(n, k))
-        hessian = jax.jit(jax.hessian(
-            lambda theta: ising.k_pl_loss(ising.theta_to_params(theta, n), data, blocks)))
-        for seed in range(3):
-            theta = jax.random.normal(jax.random.key(seed), (ising.num_params(n),))
-            eigenvalues = np.linalg.eigvalsh(np.asarray(hessian(theta), np.float64))
-            assert eigenvalues.min() >= -1e-5 * max(1.0, eigenvalues.max()), (k, eigenvalues)
+    blocks = jnp.asarray(ising.all_subsets(n, k))
+    hessian = jax.jit(jax.hessian(
+        lambda theta: ising.k_pl_loss(ising.theta_to_params(theta, n), data, blocks)))
+    for seed in range(3):
+        theta = jax.random.normal(jax.random.key(seed), (ising.num_params(n),))
+        eigenvalues = np.linalg.eigvalsh(np.asarray(hessian(theta), np.float64))
+        assert eigenvalues.min() >= -1e-5 * max(1.0, eigenvalues.max()), eigenvalues
 
 
 def test_exact_sampling_frequencies_match_probabilities():
@@ -171,16 +172,18 @@ def test_fit_recovers_theta_and_k_pl_with_k_n_minus_2_is_the_mle():
     log p(x_-K), and at the MLE the 1- and 2-spin marginals p(x_-K) match the data's."""
     n = 4
     params = random_params(n, seed=8)
-    data = ising.jit_sample_exact(jax.random.key(5), params, num_samples=20000)
-    theta_hat, info = ising.jit_fit_k_pl(data, jnp.asarray(ising.all_subsets(n, 2)))
+    # 20000 samples, as their histogram over the 16 states.
+    counts = jax.jit(ising.sample_counts, static_argnums=2)(jax.random.key(5), params, 20000)
+    theta_hat, info = ising.jit_fit_k_pl(ising.spin_states(n),
+                                         jnp.asarray(ising.all_subsets(n, 2)), counts)
     assert info.grad_norm < 1e-5 and info.steps < 500
     assert jnp.linalg.norm(theta_hat - ising.params_to_theta(params)) < 0.1
     # The MLE is the one model whose moments E x_i and E x_i x_j are the data's.
     states, probs = enumerate_probs(ising.theta_to_params(theta_hat, n))
-    data = np.asarray(data, np.float64)
-    np.testing.assert_allclose(probs @ states, data.mean(0), atol=2e-4)
+    freqs = np.asarray(counts, np.float64) / 20000
+    np.testing.assert_allclose(probs @ states, freqs @ states, atol=2e-4)
     np.testing.assert_allclose(np.einsum("s,si,sj->ij", probs, states, states),
-                               data.T @ data / len(data), atol=2e-4)
+                               np.einsum("s,si,sj->ij", freqs, states, states), atol=2e-4)
 
 
 def test_hitting_times():

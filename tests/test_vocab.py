@@ -115,7 +115,7 @@ def test_stage_smoke(config_path):
 
     manifest = artifact.manifest
     assert manifest["inputs"] == {"prepare": dag.output_uri(config, "prepare")}
-    assert manifest["config"] == {"vocab": config_lib.to_dict(config.vocab)}
+    assert manifest["config"] == {"vocab": config_lib.to_dict(config.vocab), "seed": config.seed}
     assert manifest["counts"] == {
         "train_pairs": 300, "dev_pairs": 41, "words": sum(expected.values()),
         "distinct_words": len(expected), "words_kept": 40, "vocab_size": 300,

@@ -2,7 +2,8 @@
 
 Paper section 2.2.1 (Theorem 1) and L.6, on exact Ising models: one training set per seed,
 the k-PL estimate for every k = 1 .. N on that same set, ||theta_hat - theta*|| averaged
-over seeds (mean ± s.e.), for a weakly coupled and a peaked two-mode model. Writes
+over seeds (mean ± s.e.), for a weakly coupled, a strongly coupled (random signs) and a
+peaked two-mode (ferromagnetic) model. Writes
 masking.png and masking.json into --out. The experiment itself lives in
 model/ising_experiments.py (`benchmarks/` is not an installed package; `padir theory` runs
 this and benchmarks/theory/sampling.py together).
