@@ -322,11 +322,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO)
-    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
-    artifact = run(config, beam_args=beam_args)
-    print(f"distill: {artifact.uri}")
-    return 0
+    return options_lib.main(run, argv, __doc__)
 
 
 if __name__ == "__main__":

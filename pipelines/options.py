@@ -11,7 +11,8 @@ which override the config's `beam` section:
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import logging
+from typing import Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -32,3 +33,12 @@ def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -
     """Config defaults first, command-line flags last (argparse keeps the last value)."""
     flags = [f"--runner={config.beam.runner}", *config.beam.options, *beam_args]
     return PipelineOptions(flags)
+
+
+def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
+    """The body of a Beam job's `main`: parse, run the stage, print its artifact."""
+    logging.basicConfig(level=logging.INFO)
+    config, beam_args = parse_args(argv, description=description.splitlines()[0])
+    artifact = run(config, beam_args=beam_args)
+    print(f"{artifact.stage}: {artifact.uri}")
+    return 0
