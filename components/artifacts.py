@@ -47,6 +47,18 @@ def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fs, path
 
 
+def glob(pattern: str) -> list[str]:
+    """The paths matching `pattern` (local or fsspec), sorted."""
+    fs, path = filesystem(pattern)
+    return sorted(fs.glob(path))
+
+
+def read_json(uri: str) -> Any:
+    fs, path = filesystem(uri)
+    with fs.open(path, "r") as f:
+        return json.load(f)
+
+
 @dataclasses.dataclass(frozen=True)
 class Artifact:
     """A complete stage output."""

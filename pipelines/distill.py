@@ -258,17 +258,6 @@ def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, int]) -> No
                            f"translated {stats['translated']}, kept {stats['kept']}")
 
 
-def _glob(pattern: str) -> list[str]:
-    fs, path = artifacts.filesystem(pattern)
-    return sorted(fs.glob(path))
-
-
-def _read_json(uri: str) -> dict:
-    fs, path = artifacts.filesystem(uri)
-    with fs.open(path, "r") as f:
-        return json.load(f)
-
-
 def teacher_tokenizer(teacher: artifacts.Artifact) -> tokenizer_lib.Tokenizer:
     """The vocabulary the teacher was trained with (an input of its artifact)."""
     return tokenizer_lib.Tokenizer.load(
@@ -280,7 +269,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     logging.info("distill stage, config:\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     teacher = dag.require_input(config, "teacher")
-    shards = {split: _glob(corpus.split_pattern(prepared.uri, split))
+    shards = {split: artifacts.glob(corpus.split_pattern(prepared.uri, split))
               for split in (corpus.TRAIN, corpus.DEV)}
     for split, files in shards.items():  # structural errors before any work starts
         if not files:
@@ -300,7 +289,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
         result.wait_until_finish()
         seconds = time.perf_counter() - started
         counts = collect_counts(result)
-        stats = _read_json(artifacts.join(out.tmp_uri, STATS_FILE))
+        stats = artifacts.read_json(artifacts.join(out.tmp_uri, STATS_FILE))
         _check_accounting(counts, stats)
         if counts["read"] and not counts["kept"]:  # a student cannot train on nothing
             raise RuntimeError(f"distill: the teacher's translations were all rejected "

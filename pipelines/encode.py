@@ -227,17 +227,6 @@ def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, dict]) -> N
                                f"stats count {counted}")
 
 
-def _glob(pattern: str) -> list[str]:
-    fs, path = artifacts.filesystem(pattern)
-    return sorted(fs.glob(path))
-
-
-def _read_json(uri: str) -> dict:
-    fs, path = artifacts.filesystem(uri)
-    with fs.open(path, "r") as f:
-        return json.load(f)
-
-
 # Encode stage -> the stage whose prepared-format pairs it encodes.
 PAIRS = {"encode": "prepare", "encode_distilled": "distill"}
 
@@ -260,7 +249,7 @@ def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> art
     vocab = dag.require_input(config, "vocab")
     inputs = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}
     for split, pattern in inputs.items():  # structural errors before any work starts
-        if not _glob(pattern):
+        if not artifacts.glob(pattern):
             raise FileNotFoundError(
                 f"{pairs.stage} artifact {pairs.uri} has no {split} split ({pattern})")
     tokenizer = tokenizer_lib.Tokenizer.load(vocab.path(tokenizer_lib.MODEL_FILE))
@@ -276,7 +265,8 @@ def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> art
         result = pipeline.run()
         result.wait_until_finish()
         counts = collect_counts(result, list(inputs))
-        stats = {split: _read_json(records.stats_path(out.tmp_uri, split)) for split in inputs}
+        stats = {split: artifacts.read_json(records.stats_path(out.tmp_uri, split))
+                 for split in inputs}
         _check_accounting(counts, stats)
         out.counts.update(counts)
         out.metrics.update(stats)
