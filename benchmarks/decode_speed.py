@@ -131,11 +131,11 @@ def main(argv=None) -> int:
     results = []
     sources = [pair["source"] for pair in pairs]
     references = [pair["target"] for pair in pairs]
-    for name in names:
-        speed = report.throughput(_records(pairs, batched[name].translate(sources)), batch_size)
-        results.append(report.score_method(name, known[name].kind,
-                                           _records(pairs, translations[name]), references,
-                                           speed))
+    for name in names:  # scored as the decode stage scores: the batched hypotheses
+        records = _records(pairs, batched[name].translate(sources))
+        results.append(report.score_method(name, known[name].kind, records, references,
+                                           report.throughput(records, batch_size),
+                                           _records(pairs, translations[name])))
     print(f"batched pass: {time.time() - started:.1f} s\n")
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)

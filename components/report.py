@@ -1,17 +1,18 @@
 """The score stage's report: quality and speed per test set and decoding method.
 
-    result = score_method("padir_4", "padir", records, references, throughput)
+    result = score_method("padir_4", "padir", records, references, throughput, timed)
     report = build_report({"test2016": [result, ...]})   # JSON-able dict
     markdown = render_markdown(report)
-    write_plots(report, {"test2016": {"padir_4": records}}, out_dir)   # PNG paths
+    write_plots(report, {"test2016": {"padir_4": timed}}, out_dir)   # PNG paths
 
-`records` are the decode stage's lines of one method (`{"id", "hypothesis", "latency_s",
-"passes", "source_tokens", ...}`, decoded at batch 1), `references` the raw reference of
-each, in the same order; `throughput` the decode manifest's figures for the batched pass.
+`records` are the decode stage's lines of one method from its batched pass (`{"id",
+"hypothesis", "latency_s", "passes", "source_tokens", ...}`), `references` the raw
+reference of each, in the same order; `throughput` the decode manifest's figures for that
+pass; `timed` the lines of the batch-1 pass over the latency sample.
 
 Per method: sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only
 to compare with the Multi30k literature), stutter (components/metrics.py), latency per
-sentence at batch 1 (mean, median, p90, p99), batched throughput (sentences and tokens per
+sentence at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences and tokens per
 second of decode time), mean decoder passes, and speedups over the AR baselines: the first
 method of kind `ar_greedy` and the first of kind `ar_beam`. A latency speedup is baseline
 latency / method latency per statistic (> 1: faster); a throughput speedup is method
@@ -69,8 +70,10 @@ def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
 
 
 def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
-                 references: Sequence[str], throughput: Mapping[str, Any]) -> MethodResult:
-    """Scores one method's decode records against their references (same order)."""
+                 references: Sequence[str], throughput: Mapping[str, Any],
+                 latency_records: Sequence[Mapping[str, Any]]) -> MethodResult:
+    """Scores one method's decode records against their references (same order); its
+    latency comes from the records of the batch-1 pass, `latency_records`."""
     hypotheses = [record["hypothesis"] for record in records]
     return MethodResult(
         method=method,
@@ -80,7 +83,7 @@ def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
         chrf=metrics.corpus_chrf(hypotheses, references),
         bleu_tok_lc=metrics.tokenized_lowercased_bleu(hypotheses, references),
         stutter=metrics.stutter_stats(hypotheses, references),
-        latency=metrics.summarize_latency([record["latency_s"] for record in records]),
+        latency=metrics.summarize_latency([record["latency_s"] for record in latency_records]),
         throughput=dict(throughput),
         mean_passes=statistics.fmean(record["passes"] for record in records),
         truncated=sum(1 for record in records if record.get("truncated")),
@@ -190,7 +193,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
               _number(m["stutter"]["per_100_words"]), _number(m["mean_passes"], 1)]
              for m in methods])
         lines += ["", "### Speed", "",
-                  "Latency per sentence at batch 1 (ms); throughput batched "
+                  f"Latency per sentence at batch 1 (ms, the first "
+                  f"{methods[0]['latency_s']['count']} sentences); throughput batched "
                   f"(batch {_batch_size(methods)}), decode time only.", ""]
         lines += _table(
             ["method", "median ms", "p90 ms", "p99 ms", "sentences/s", "tokens/s"],
@@ -241,12 +245,13 @@ def _save(figure, path: str) -> None:
 
 
 def write_plots(report: Mapping[str, Any],
-                records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
+                latency_records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
                 out_uri: str) -> list[str]:
     """Writes `plots/{test_set}/{plot}.png` under `out_uri` (local or fsspec); their paths.
 
     Args:
-      records: test set -> method -> its decode records (for latency against length).
+      latency_records: test set -> method -> its batch-1 decode records (latency against
+        source length).
     """
     import matplotlib
 
@@ -286,7 +291,7 @@ def write_plots(report: Mapping[str, Any],
 
         figure, axes = plt.subplots(figsize=(6.5, 4.5))
         for name in names:
-            method_records = records[test_set][name]
+            method_records = latency_records[test_set][name]
             axes.scatter([r["source_tokens"] for r in method_records],
                          [1e3 * r["latency_s"] for r in method_records], s=8, alpha=0.6,
                          label=name)

@@ -1,14 +1,17 @@
 """The `score` stage: the decode stage's hypotheses against the raw references -> the report.
 
 Contract:
-  reads   the `decode` artifact (`hypotheses/{test_set}/{method}.jsonl` and the throughput
-          figures in its manifest) and the `prepare` artifact's test splits (the references:
-          the prepared target of each id, i.e. the raw line normalised as every split is).
+  reads   the `decode` artifact (`hypotheses/{test_set}/{method}.jsonl`, the batched pass
+          that is scored; `latency/{test_set}/{method}.jsonl`, the batch-1 pass over the
+          latency sample; the throughput figures in its manifest) and the `prepare`
+          artifact's test splits (the references: the prepared target of each id, i.e. the
+          raw line normalised as every split is).
   writes  `<workdir>/score/<key>/`:
             report.json   per test set and method: BLEU, chrF, tokenised lowercased BLEU
                           (with sacreBLEU signatures), stutter, latency at batch 1 (mean,
-                          median, p90, p99 seconds), batched throughput, mean decoder
-                          passes, speedups over the AR greedy and beam baselines;
+                          median, p90, p99 seconds, over the latency sample), batched
+                          throughput, mean decoder passes, speedups over the AR greedy
+                          and beam baselines;
             report.md     the same as tables, with the plots;
             plots/{test_set}/{bleu_vs_latency,stutter,latency_vs_length}.png
             manifest.json headline figures per test set and method.
@@ -66,18 +69,20 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     decoded = dag.require_input(config, "decode")
     facts = decoded.manifest["metrics"]
     results: dict[str, list[report.MethodResult]] = {}
-    records: dict[str, dict[str, list[dict]]] = {}
+    latency_records: dict[str, dict[str, list[dict]]] = {}
     for test_set in facts["test_sets"]:
         references = {pair["id"]: pair["target"]
                       for pair in corpus.read_split(prepared.uri, test_set)}
-        results[test_set], records[test_set] = [], {}
+        results[test_set], latency_records[test_set] = [], {}
         for about in facts["methods"]:
             method = about["name"]
             lines = _read_jsonl(decoded.path("hypotheses", test_set, method + ".jsonl"))
             targets = aligned_references(lines, references, f"{test_set}/{method}")
-            records[test_set][method] = lines
+            timed = _read_jsonl(decoded.path("latency", test_set, method + ".jsonl"))
+            latency_records[test_set][method] = timed
             results[test_set].append(report.score_method(
-                method, about["kind"], lines, targets, facts["throughput"][test_set][method]))
+                method, about["kind"], lines, targets, facts["throughput"][test_set][method],
+                timed))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
     content = report.build_report(results)
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),
@@ -86,7 +91,7 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
                          inputs={"prepare": prepared.uri, "decode": decoded.uri}) as out:
         _write_text(out.path(REPORT_JSON), json.dumps(content, indent=2, ensure_ascii=False))
         _write_text(out.path(REPORT_MD), report.render_markdown(content))
-        plots = report.write_plots(content, records, out.tmp_uri)
+        plots = report.write_plots(content, latency_records, out.tmp_uri)
         out.counts.update({f"scored.{test_set}.{method.method}": method.sentences
                            for test_set, methods in results.items() for method in methods})
         out.counts["plots"] = len(plots)

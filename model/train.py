@@ -534,10 +534,12 @@ def _run(
                 summary["steps_per_s"] = n_steps / elapsed
                 summary["target_tokens_per_s"] = interval_tokens / elapsed
                 _write(writer, "train", summary, step)
-                progress.set_postfix(
-                    loss=f"{summary.get('loss', summary['objective']):.3f}",
-                    tok_s=f"{summary['target_tokens_per_s']:.0f}",
-                )
+                postfix = {"loss": f"{summary.get('loss', summary['objective']):.3f}",
+                           "tok_s": f"{summary['target_tokens_per_s']:.0f}"}
+                if deadline is not None:  # the bar's ETA counts all steps; a budget ends sooner
+                    minutes_left = max(0.0, deadline - time.monotonic()) / 60
+                    postfix["budget_left"] = f"{minutes_left:.1f}min"
+                progress.set_postfix(postfix)
                 interval_start, interval_tokens = time.monotonic(), 0
 
             stop = stop_signal.received is not None or (

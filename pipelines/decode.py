@@ -6,17 +6,19 @@ Contract:
           `teacher` artifact (AR methods) and the `train` artifact (NAR methods), only
           those the configured methods need; each names its vocabulary.
   writes  `<workdir>/decode/<key>/`:
-            hypotheses/{test_set}/{method}.jsonl   the latency pass, at
-                `decode.latency_batch_size` (1): one line per sentence, in id order,
+            hypotheses/{test_set}/{method}.jsonl   the batched pass, at
+                `decode.throughput_batch_size`: one line per sentence, in id order,
                 `{"id", "hypothesis", "latency_s", "passes", "source_tokens", "score",
-                "hypothesis_tokens", "truncated"}`; these are the hypotheses that are scored;
-            throughput/{test_set}/{method}.jsonl   the same, decoded batched at
-                `decode.throughput_batch_size` (`latency_s` is then the batch's decode time
-                divided by its sentences);
-            manifest.json   counts `read.{test_set}`, `decoded.{test_set}.{method}.{pass}`,
-                `truncated.{test_set}`; metrics `test_sets`, `methods` (in config order:
-                name, kind, stage) and `throughput` (per test set and method: batch size,
-                sentences, hypothesis tokens, seconds, sentences/s, tokens/s).
+                "hypothesis_tokens", "truncated"}` (`latency_s` is the batch's decode time
+                divided by its sentences); these are the hypotheses that are scored;
+            latency/{test_set}/{method}.jsonl   the same for the first
+                `decode.latency_sentences` sentences (by id; all if null), decoded again at
+                `decode.latency_batch_size` (1): per-sentence latency;
+            manifest.json   counts `read.{test_set}`, `decoded.{test_set}.{method}.{pass}`
+                (pass `batched` or `latency`), `truncated.{test_set}`; metrics `test_sets`,
+                `methods` (in config order: name, kind, stage), `latency_sentences` (per
+                test set) and `throughput` (per test set and method: batch size, sentences,
+                hypothesis tokens, seconds, sentences/s, tokens/s).
   With `decode.max_sentences` set, only the first N sentences of each test set (by id).
 
 Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
@@ -56,7 +58,7 @@ from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
 NAMESPACE = "decode"  # of the Beam counters that become the manifest's counts
-HYPOTHESES, THROUGHPUT = "hypotheses", "throughput"  # the two passes' folders
+HYPOTHESES, LATENCY = "hypotheses", "latency"  # the two passes' folders
 SUFFIX = ".jsonl"
 
 
@@ -66,7 +68,7 @@ def decoded_splits(data: config_lib.DataConfig) -> tuple[str, ...]:
 
 
 def output_path(artifact_uri: str, folder: str, test_set: str, method: str) -> str:
-    """`{artifact}/{hypotheses|throughput}/{test_set}/{method}.jsonl`."""
+    """`{artifact}/{hypotheses|latency}/{test_set}/{method}.jsonl`."""
     return artifacts.join(artifact_uri, folder, test_set, method + SUFFIX)
 
 
@@ -98,6 +100,24 @@ def _sorted_lines(records: list[dict]) -> Iterator[str]:
         yield json.dumps(record, ensure_ascii=False)
 
 
+class FirstById(beam.PTransform):
+    """The `n` elements with the smallest ids (all if `n` is None); `key` gives the id."""
+
+    def __init__(self, n: Optional[int], key=lambda element: element[0]):
+        super().__init__()
+        self._n = n
+        self._key = key
+
+    def expand(self, elements):
+        if self._n is None:
+            return elements
+        key = self._key
+        return (elements
+                | "Smallest" >> beam.combiners.Top.Smallest(
+                    self._n, key=lambda element: corpus.id_sort_key(key(element)))
+                | "Flatten" >> beam.FlatMap(lambda firsts: firsts))
+
+
 class ReadTestSet(beam.PTransform):
     """A prepared split -> `{"id", "source", "target"}` dicts (the first `max_sentences`
     by id, if set), counted as `read.{split}`."""
@@ -109,15 +129,11 @@ class ReadTestSet(beam.PTransform):
         self._max_sentences = max_sentences
 
     def expand(self, pbegin):
-        pairs = (pbegin
-                 | "Read" >> beam.io.ReadFromText(self._pattern)
-                 | "ParseJson" >> beam.Map(json.loads))
-        if self._max_sentences is not None:
-            pairs = (pairs
-                     | "FirstById" >> beam.combiners.Top.Smallest(
-                         self._max_sentences, key=lambda pair: corpus.id_sort_key(pair["id"]))
-                     | "Flatten" >> beam.FlatMap(lambda pairs: pairs))
-        return pairs | "Count" >> beam.Map(_counted, f"read.{self._split}")
+        return (pbegin
+                | "Read" >> beam.io.ReadFromText(self._pattern)
+                | "ParseJson" >> beam.Map(json.loads)
+                | "FirstById" >> FirstById(self._max_sentences, key=lambda pair: pair["id"])
+                | "Count" >> beam.Map(_counted, f"read.{self._split}"))
 
 
 class DecodeAndWrite(beam.PTransform):
@@ -170,8 +186,6 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
       checkpoints: stage ("teacher", "train") -> artifact URI, for the stages the methods use.
     """
     settings = config.decode
-    passes = ((HYPOTHESES, "latency", settings.latency_batch_size),
-              (THROUGHPUT, "throughput", settings.throughput_batch_size))
     for split in decoded_splits(config.data):
         sources = (
             pipeline
@@ -179,13 +193,18 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
                                              settings.max_sentences)
             | f"Sources[{split}]" >> beam.Map(lambda pair: (pair["id"], pair["source"]))
         )
+        passes = (
+            (HYPOTHESES, "batched", settings.throughput_batch_size, sources),
+            (LATENCY, "latency", settings.latency_batch_size,
+             sources | f"LatencySample[{split}]" >> FirstById(settings.latency_sentences)),
+        )
         for method in settings.methods:
-            for folder, name, batch_size in passes:
+            for folder, name, batch_size, inputs in passes:
                 handler = TranslationModelHandler(
                     checkpoints[method.stage], method, batch_size=batch_size,
                     boundaries=config.encode.bucket_boundaries, seed=config.seed)
                 first = folder == HYPOTHESES and method is settings.methods[0]
-                _ = sources | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
+                _ = inputs | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
                     handler, output_path(output_uri, folder, split, method.name),
                     f"decoded.{split}.{method.name}.{name}",
                     truncated_counter=f"truncated.{split}" if first else None)
@@ -201,7 +220,7 @@ def collect_counts(result, config: config_lib.Config) -> dict[str, int]:
         counts.update({f"read.{split}": 0, f"truncated.{split}": 0})
         for method in config.decode.methods:
             counts.update({f"decoded.{split}.{method.name}.{name}": 0
-                           for name in ("latency", "throughput")})
+                           for name in ("batched", "latency")})
     found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
     for counter in found["counters"]:
         value = counter.committed if counter.committed is not None else counter.attempted
@@ -210,14 +229,24 @@ def collect_counts(result, config: config_lib.Config) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def latency_sentences(read: int, config: config_lib.Config) -> int:
+    """How many of `read` sentences the latency pass decodes."""
+    limit = config.decode.latency_sentences
+    return read if limit is None else min(read, limit)
+
+
 def _check_accounting(counts: Mapping[str, int], config: config_lib.Config) -> None:
-    """Every sentence read is decoded by every method in both passes: none is dropped."""
+    """Every sentence read is decoded by every method in the batched pass, and the latency
+    sample in the latency pass: none is dropped."""
     for split in decoded_splits(config.data):
         read = counts[f"read.{split}"]
+        expected = {"batched": read, "latency": latency_sentences(read, config)}
         wrong = {name: value for name, value in counts.items()
-                 if name.startswith(f"decoded.{split}.") and value != read}
+                 if name.startswith(f"decoded.{split}.")
+                 and value != expected[name.rsplit(".", 1)[1]]}
         if wrong or not read:
-            raise RuntimeError(f"decode: {read} sentences of {split} read, but decoded {wrong}")
+            raise RuntimeError(f"decode: {read} sentences of {split} read, but decoded {wrong}"
+                               f" (expected {expected})")
 
 
 def _read_records(uri: str) -> list[dict]:
@@ -254,9 +283,11 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
             test_sets=list(decoded_splits(config.data)),
             methods=[{"name": method.name, "kind": method.kind, "stage": method.stage}
                      for method in config.decode.methods],  # a list: config order
+            latency_sentences={split: latency_sentences(counts[f"read.{split}"], config)
+                               for split in decoded_splits(config.data)},
             throughput={
                 split: {method.name: report.throughput(
-                    _read_records(output_path(out.tmp_uri, THROUGHPUT, split, method.name)),
+                    _read_records(output_path(out.tmp_uri, HYPOTHESES, split, method.name)),
                     config.decode.throughput_batch_size)
                     for method in config.decode.methods}
                 for split in decoded_splits(config.data)})

@@ -124,6 +124,14 @@ def test_the_shipped_configs_load(monkeypatch):
     assert demo.data.max_train_pairs == 3000
     assert demo.data.train.source == "/data/multi30k/train.en.gz"
     assert [t.name for t in demo.data.test] == ["test2016"]
+    benchmark = config_lib.load("configs/multi30k_en_de.yaml")
+    assert benchmark.decode.latency_sentences == 200 and benchmark.distill.enabled
+    tpu = config_lib.load("configs/overlays/tpu.yaml")
+    assert tpu.mesh.distributed and tpu.mesh.fsdp == 4 and tpu.workdir.startswith("gs://")
+    for section in (tpu.teacher, tpu.train):  # the paper's 67M model, no time budget
+        assert (section.model.d_model, section.model.num_encoder_layers) == (512, 6)
+        assert section.loop.max_minutes is None
+    assert tpu.data == benchmark.data and tpu.vocab == benchmark.vocab
 
 
 @pytest.mark.parametrize("data, message", [

@@ -37,6 +37,7 @@ METHODS = [  # every kind, each as cheap as it gets
     {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
 ]
 MAX_SENTENCES = 6
+LATENCY_SENTENCES = 4  # the batch-1 pass times the first 4 of the 6
 BUCKETS = (16, 32, 64)  # the handler tests' buckets (the stage's config has one: [64])
 
 
@@ -45,6 +46,7 @@ def config(tmp_path_factory):
     config = tiny_config(
         str(tmp_path_factory.mktemp("decode")), f"decode.methods={json.dumps(METHODS)}",
         f"decode.max_sentences={MAX_SENTENCES}", "decode.throughput_batch_size=4",
+        f"decode.latency_sentences={LATENCY_SENTENCES}",
         # One bucket: one compiled shape per method and pass keeps the stage test quick.
         "encode.bucket_boundaries=[64]")
     for stage in ("prepare", "vocab"):
@@ -141,18 +143,19 @@ def decoded(config):
 
 def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
     ids = [pair["id"] for pair in corpus.read_split(_uri(config, "prepare"), "test2016")]
-    expected = ids[:MAX_SENTENCES]
     counts = decoded.manifest["counts"]
     assert counts["read.test2016"] == MAX_SENTENCES
     assert decoded.manifest["metrics"]["test_sets"] == ["test2016"]
+    assert decoded.manifest["metrics"]["latency_sentences"] == {"test2016": LATENCY_SENTENCES}
     assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "train"}
     for method in METHODS:
-        for folder, name in ((decode.HYPOTHESES, "latency"), (decode.THROUGHPUT, "throughput")):
+        for folder, name, expected in ((decode.HYPOTHESES, "batched", ids[:MAX_SENTENCES]),
+                                       (decode.LATENCY, "latency", ids[:LATENCY_SENTENCES])):
             path = decode.output_path(decoded.uri, folder, "test2016", method["name"])
             with open(path) as f:
                 records = [json.loads(line) for line in f]
             assert [r["id"] for r in records] == expected, (method, folder)
-            assert counts[f"decoded.test2016.{method['name']}.{name}"] == MAX_SENTENCES
+            assert counts[f"decoded.test2016.{method['name']}.{name}"] == len(expected)
             assert all(r["latency_s"] > 0 and r["passes"] >= 1 and r["source_tokens"] >= 2
                        for r in records)
         speed = decoded.manifest["metrics"]["throughput"]["test2016"][method["name"]]
@@ -182,7 +185,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
         assert method["bleu_tok_lc"]["score"] == pytest.approx(
             sacrebleu.corpus_bleu(hypotheses, refs, lowercase=True).score)
         assert "tok:13a" in method["bleu"]["signature"]
-        assert method["latency_s"]["count"] == MAX_SENTENCES
+        assert method["sentences"] == MAX_SENTENCES
+        assert method["latency_s"]["count"] == LATENCY_SENTENCES
         assert set(method["speedup"]) == {"vs_greedy", "vs_beam2"}
         assert method["speedup"]["vs_greedy"]["median"] > 0
     with open(scored.path(score_stage.REPORT_MD)) as f:
@@ -197,15 +201,16 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
     pairs = list(corpus.read_split(_uri(config, "prepare"), "test2016"))[:40]
     references = [p["target"] for p in pairs]
     hypotheses = [" ".join(r.split()[:-2] + r.split()[-1:]) for r in references]  # a word out
-    records = [{"hypothesis": h, "latency_s": 0.01 * (i + 1), "passes": 2}
-               for i, h in enumerate(hypotheses)]
-    result = report.score_method("m", "padir", records, references, {"sentences_per_s": 5.0})
+    records = [{"hypothesis": h, "latency_s": 0.5, "passes": 2} for h in hypotheses]
+    timed = [{"latency_s": 0.01 * (i + 1)} for i in range(40)]  # the batch-1 pass's
+    result = report.score_method("m", "padir", records, references, {"sentences_per_s": 5.0},
+                                 timed)
     assert result.bleu.score == pytest.approx(
         sacrebleu.corpus_bleu(hypotheses, [references]).score)
     assert 50 < result.bleu.score < 100
     assert result.chrf.score == pytest.approx(
         sacrebleu.corpus_chrf(hypotheses, [references]).score)
-    assert result.latency.median == pytest.approx(0.205)
+    assert result.latency.median == pytest.approx(0.205)  # from the batch-1 records
 
 
 # --- padir translate ---------------------------------------------------------------------
