@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from typing import Sequence
 
-from components import artifacts
+from components import artifacts, logs
 from components import config as config_lib
 from components.corpus import CorpusError
 
@@ -248,9 +247,7 @@ def _theory(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # Prefect's client logs every request
+    logs.configure()
     try:
         if args.command == "translate":
             if extra:

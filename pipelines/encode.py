@@ -53,7 +53,7 @@ from typing import Iterator, Mapping, Sequence
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
-from components import artifacts, corpus, dag, records
+from components import artifacts, corpus, dag, logs, records
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from pipelines import options as options_lib
@@ -276,7 +276,7 @@ def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> art
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO)
+    logs.configure()
     config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
     which = argparse.ArgumentParser(add_help=False)
     which.add_argument("--distilled", action="store_true",

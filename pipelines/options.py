@@ -11,12 +11,12 @@ which override the config's `beam` section:
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from components import config as config_lib
+from components import logs
 
 
 def parse_args(argv: Sequence[str] | None, description: str) -> tuple[config_lib.Config, list[str]]:
@@ -37,7 +37,7 @@ def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -
 
 def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
     """The body of a Beam job's `main`: parse, run the stage, print its artifact."""
-    logging.basicConfig(level=logging.INFO)
+    logs.configure()
     config, beam_args = parse_args(argv, description=description.splitlines()[0])
     artifact = run(config, beam_args=beam_args)
     print(f"{artifact.stage}: {artifact.uri}")

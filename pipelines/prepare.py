@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Sequence
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
-from components import artifacts, corpus, dag
+from components import artifacts, corpus, dag, logs
 from components import config as config_lib
 from pipelines import options
 
@@ -215,7 +215,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.getLogger().setLevel(logging.INFO)
+    logs.configure()
     config, beam_args = options.parse_args(argv, description=__doc__)
     print(run(config, beam_args).uri)
 
