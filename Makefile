@@ -7,11 +7,12 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: install demo test benchmarks clean
 
-# Reinstalls only when pyproject.toml changes.
-$(BIN)/.installed: pyproject.toml
+# Reinstalls only when the pins change. constraints.txt fixes every package's version (the
+# launcher's and the Dataflow workers' environment are the same: Dockerfile).
+$(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --constraint constraints.txt -e '.[dev]'
 	touch $@
 
 install: $(BIN)/.installed

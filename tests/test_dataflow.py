@@ -157,3 +157,22 @@ def test_every_beam_job_builds_and_serialises_for_dataflow(config, prepared, tok
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"loaded {len(jobs)}" in done.stdout
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_the_worker_pins_are_the_launchers_environment():
+    """constraints.txt (the Dockerfile's pins) matches what is installed here, package for
+    package: the launcher pickles against the versions the workers unpickle with."""
+    from importlib import metadata
+
+    installed = {_canonical(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    with open("constraints.txt") as f:
+        pins = dict(line.strip().split("==") for line in f
+                    if line.strip() and not line.startswith("#"))
+    assert {"apache-beam", "jax", "tensorflow", "tensorflow-text"} <= set(map(_canonical, pins))
+    differ = {name: (version, installed.get(_canonical(name)))
+              for name, version in pins.items() if installed.get(_canonical(name)) != version}
+    assert not differ, f"regenerate constraints.txt (pinned, installed): {differ}"
