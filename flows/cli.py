@@ -133,12 +133,25 @@ def _print_status(args: argparse.Namespace, config: config_lib.Config) -> int:
     rows = plan.describe(config)
     width = max([len("stage"), *(len(row["stage"]) for row in rows)])
     print(f"workdir {config.workdir}")
-    print(f"  {'stage':{width}} {'state':8} {'key':12}  {'next run':32} headline metrics")
+    print(f"  {'stage':{width}} {'state':8} {'key':12} {'wall':>8}  {'next run':32} "
+          "headline metrics")
     for row in rows:
         metrics = " ".join(f"{name}={value}" for name, value in row["metrics"].items())
-        print(f"  {row['stage']:{width}} {row['state']:8} {row['key']:12}  {row['next']:32} "
-              f"{metrics}".rstrip())
+        print(f"  {row['stage']:{width}} {row['state']:8} {row['key']:12} "
+              f"{_duration(row['wall_seconds']):>8}  {row['next']:32} {metrics}".rstrip())
+    walls = [row["wall_seconds"] for row in rows if row["wall_seconds"] is not None]
+    print(f"  {len(walls)} of {len(rows)} stages complete, {_duration(sum(walls))} of wall time")
     return 0
+
+
+def _duration(seconds: float | None) -> str:
+    """1h02m, 25m03s, 7.5s; '-' for None."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{seconds:02d}s"
 
 
 def _serve(args: argparse.Namespace, config: config_lib.Config) -> int:

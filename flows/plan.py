@@ -163,14 +163,17 @@ def partial_exists(config: Config, stage: str) -> bool:
 def describe(config: Config) -> list[dict[str, Any]]:
     """One row per active stage in topological order: stage, key, uri, state ("complete",
     "partial": a resumable stage stopped midway, "missing"), what `padir run` would do
-    next ("reuse" or "run (<reason>)") and headline metrics."""
+    next ("reuse" or "run (<reason>)"), the wall seconds its artifact took (None if not
+    complete) and headline metrics."""
     rows = []
     for step in plan(config):
         row = {"stage": step.stage, "key": step.key, "uri": step.uri, "state": "missing",
-               "next": f"run ({step.reason})" if step.run else "reuse", "metrics": {}}
+               "next": f"run ({step.reason})" if step.run else "reuse", "metrics": {},
+               "wall_seconds": None}
         if artifacts.is_complete(step.uri):
-            row.update(state="complete",
-                       metrics=headline_metrics(artifacts.read(step.uri).manifest))
+            manifest = artifacts.read(step.uri).manifest
+            row.update(state="complete", metrics=headline_metrics(manifest),
+                       wall_seconds=manifest.get("wall_seconds"))
         elif partial_exists(config, step.stage):
             row["state"] = "partial"
         rows.append(row)

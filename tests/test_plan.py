@@ -137,6 +137,15 @@ def test_describe_and_padir_status_show_state_key_and_headline_metrics(config, t
     assert f"{'prepare':{width}} complete {dag.stage_key(config, 'prepare')}" in out
     assert f"{'encode_distilled':{width}} missing " in out
     assert "dev.bleu=12.3457" in out and "x" * 80 not in out
+    wall = rows["prepare"]["wall_seconds"]
+    assert wall is not None and rows["vocab"]["wall_seconds"] is None
+    assert f"1 of {len(rows)} stages complete" in out
+
+
+@pytest.mark.parametrize("seconds, shown", [
+    (None, "-"), (7.46, "7.5s"), (61.4, "1m01s"), (25 * 60 + 3, "25m03s"), (3720, "1h02m")])
+def test_status_shows_durations_briefly(seconds, shown):
+    assert cli._duration(seconds) == shown
 
 
 def test_padir_report_says_clearly_when_there_is_none_yet(config, tmp_path, capsys):
