@@ -57,7 +57,7 @@ import logging
 import sys
 import time
 import zlib
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
@@ -178,19 +178,21 @@ def _to_json(record: dict) -> str:
 
 def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: str,
           teacher_uri: str, tokenizer: tokenizer_lib.Tokenizer, num_shards: int,
-          output_uri: str) -> None:
+          output_uri: str, expected_sentences: Optional[int] = None) -> None:
     """Composes the job (see the module docstring); every output goes under `output_uri`.
 
     Args:
       tokenizer: the teacher's, for the batch keys (the handler loads its own copy).
       num_shards: of the distilled train split, and the number of batching groups per
         decoder shape (the prepared train split's shards).
+      expected_sentences: the train split's size, for the ETA of the progress log.
     """
     settings = config.distill
     # The teacher's buckets: its key includes the encode section, so these are its own.
     boundaries = config.encode.bucket_boundaries
     handler = TranslationModelHandler(teacher_uri, method(settings),
-                                      batch_size=settings.batch_size, boundaries=boundaries)
+                                      batch_size=settings.batch_size, boundaries=boundaries,
+                                      expected_sentences=expected_sentences)
     verdicts = (
         pipeline
         | "ReadTrain" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.TRAIN))
@@ -283,7 +285,8 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
         pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
         build(pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
               tokenizer=teacher_tokenizer(teacher), num_shards=len(shards[corpus.TRAIN]),
-              output_uri=out.tmp_uri)
+              output_uri=out.tmp_uri,
+              expected_sentences=prepared.manifest["counts"].get(f"kept.{corpus.TRAIN}"))
         started = time.perf_counter()
         result = pipeline.run()
         result.wait_until_finish()

@@ -20,6 +20,10 @@ artifact however many transforms decode with it (`model.inference.load_cached`),
 load builds the method's jitted decoder, which compiles once per batch shape it meets.
 JAX is imported by `load_model`, in the worker, never when the pipeline is constructed.
 
+Progress. Each worker process logs, at most every `PROGRESS_EVERY_S` seconds, how many
+sentences it has translated and at what rate, and an ETA when the job's total
+(`expected_sentences`) is given: a distillation of the whole training set takes long.
+
 Batching. `batch_elements_kwargs` makes RunInference batch exactly `batch_size`
 sentences (a bundle's last batch may be smaller; the decoder still runs `batch_size` rows).
 Timings are only meaningful when one decode runs at a time on a worker: the in-process
@@ -30,6 +34,8 @@ FnApiRunner does that; on Dataflow use one SDK process and one harness thread pe
 from __future__ import annotations
 
 import collections
+import logging
+import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
@@ -39,6 +45,7 @@ from components.config import DecodeMethod
 NAMESPACE = "padir_inference"  # RunInference's own metrics (load time, inference counts)
 # load_model calls in this process, by (artifact URI, method name, batch size).
 LOADS: collections.Counter = collections.Counter()
+PROGRESS_EVERY_S = 60.0
 
 
 class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
@@ -50,16 +57,23 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
       batch_size: sentences per decoder call (and per RunInference batch).
       boundaries: the length buckets; default: those of the artifact's config.
       seed: the key of `init="random"` (model/inference.py).
+      expected_sentences: how many sentences the job translates in all, for the ETA in the
+        progress log (None: rate only).
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
-                 boundaries: Optional[Sequence[int]] = None, seed: int = 0):
+                 boundaries: Optional[Sequence[int]] = None, seed: int = 0,
+                 expected_sentences: Optional[int] = None):
         super().__init__(min_batch_size=batch_size, max_batch_size=batch_size)
         self._artifact_uri = artifact_uri
         self._method = method
         self._batch_size = batch_size
         self._boundaries = tuple(boundaries) if boundaries else None
         self._seed = seed
+        self._expected = expected_sentences
+        self._translated = 0
+        self._started: Optional[float] = None
+        self._logged = 0.0
 
     def load_model(self):
         """The checkpoint (restored once per process) and the method's jitted decoder."""
@@ -73,9 +87,26 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
     def run_inference(self, batch: Sequence[str], model: Any,
                       inference_args: Optional[dict[str, Any]] = None
                       ) -> Iterable[PredictionResult]:
+        if self._started is None:
+            self._started = self._logged = time.monotonic()
         translations = model.translate(list(batch))
+        self._translated += len(batch)
+        self._log_progress()
         for source, translation in zip(batch, translations):
             yield PredictionResult(source, translation.as_record(), self._artifact_uri)
+
+    def _log_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._logged < PROGRESS_EVERY_S:
+            return
+        self._logged = now
+        rate = self._translated / (now - self._started)
+        eta = ""
+        if self._expected:
+            minutes = max(0, self._expected - self._translated) / rate / 60
+            eta = f" of {self._expected:,}, ETA {minutes:.0f} min (this worker's rate)"
+        logging.info("%s: %s sentences translated%s, %.1f sentences/s", self._method.name,
+                     f"{self._translated:,}", eta, rate)
 
     def validate_inference_args(self, inference_args: Optional[dict[str, Any]]) -> None:
         if inference_args:

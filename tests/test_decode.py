@@ -11,6 +11,7 @@ exactly as it reads trained ones; the hypotheses are nonsense, which no test her
 
 import io
 import json
+import logging
 
 import apache_beam as beam
 import pytest
@@ -112,6 +113,21 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
     assert beam_inference.LOADS[load_key] - loads == 1  # 5+ batches, one load
     assert inference.TRACES[trace_key] - traces == 1  # lengths 9..16: one shape
     assert inference.RESTORES[uri] - restores <= 1 and inference.RESTORES[uri] >= 1
+
+
+def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
+    monkeypatch.setattr(beam_inference, "PROGRESS_EVERY_S", 0.0)  # log after every batch
+    handler = beam_inference.TranslationModelHandler(
+        _uri(config, "teacher"), DecodeMethod("greedy", "ar_greedy"), batch_size=2,
+        boundaries=BUCKETS, expected_sentences=10)
+    model = handler.load_model()
+    with caplog.at_level(logging.INFO):
+        for _ in range(2):
+            results = list(handler.run_inference(_sentences(config, 2, range(2, 9)), model))
+            assert len(results) == 2
+    lines = [r.getMessage() for r in caplog.records if "sentences translated" in r.getMessage()]
+    assert lines[0].startswith("greedy: 2 sentences translated of 10, ETA ")
+    assert lines[-1].startswith("greedy: 4 sentences translated of 10, ETA ")
 
 
 def test_translator_pads_to_buckets_and_times_each_batch(config):
