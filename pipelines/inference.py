@@ -42,6 +42,8 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from components.config import DecodeMethod
 
+log = logging.getLogger(__name__)
+
 NAMESPACE = "padir_inference"  # RunInference's own metrics (load time, inference counts)
 # load_model calls in this process, by (artifact URI, method name, batch size).
 LOADS: collections.Counter = collections.Counter()
@@ -105,8 +107,8 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         if self._expected:
             minutes = max(0, self._expected - self._translated) / rate / 60
             eta = f" of {self._expected:,}, ETA {minutes:.0f} min (this worker's rate)"
-        logging.info("%s: %s sentences translated%s, %.1f sentences/s", self._method.name,
-                     f"{self._translated:,}", eta, rate)
+        log.info("%s: %s sentences translated%s, %.1f sentences/s", self._method.name,
+                 f"{self._translated:,}", eta, rate)
 
     def validate_inference_args(self, inference_args: Optional[dict[str, Any]]) -> None:
         if inference_args:
