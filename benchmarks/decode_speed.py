@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _records(pairs, translations) -> list[dict]:
-    return [decode.to_record(pair["id"], PredictionResult(pair["source"], t.as_record()))
+    return [decode.to_record(pair, PredictionResult(pair["source"], t.as_record()))
             for pair, t in zip(pairs, translations)]
 
 
@@ -129,10 +129,15 @@ def main(argv=None) -> int:
     print(f"batch-1 pass: {time.time() - started:.1f} s")
     started = time.time()
     results = []
-    sources = [pair["source"] for pair in pairs]
+    # Shortest first, as the decode stage batches (pipelines/batching.py); scored in id order.
+    tokenizer = next(iter(batched.values())).loaded.tokenizer
+    lengths = [len(ids) for ids in tokenizer.encode([pair["source"] for pair in pairs])]
+    by_length = sorted(range(len(pairs)), key=lambda i: (lengths[i], i))
     references = [pair["target"] for pair in pairs]
     for name in names:  # scored as the decode stage scores: the batched hypotheses
-        records = _records(pairs, batched[name].translate(sources))
+        translated = batched[name].translate([pairs[i]["source"] for i in by_length])
+        in_order = [t for _, t in sorted(zip(by_length, translated), key=lambda x: x[0])]
+        records = _records(pairs, in_order)
         results.append(report.score_method(name, known[name].kind, records, references,
                                            report.throughput(records, batch_size),
                                            _records(pairs, translations[name])))

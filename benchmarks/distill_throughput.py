@@ -6,7 +6,7 @@ their sources with its teacher artifact, as the `distill` stage does (the config
 process of its own (each restores the teacher and compiles its decoder once):
 
   plain    a Python loop: `model.inference.Translator` over the batches the job forms
-           (`pipelines.distill.KeyByDecoderShape` and `length_batches`: one decoder shape
+           (`pipelines.batching.KeyByDecoderShape` and `length_batches`: one decoder shape
            per batch, sources sorted by length), shape after shape;
   beam_1   `pipelines.distill.build` on the FnApiRunner, in process (one worker);
   beam_2   the same with `--direct_num_workers=2 --direct_running_mode=multi_processing`:
@@ -69,13 +69,13 @@ def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
     """The plain loop over the job's batches; JAX starts inside the timed span."""
     started = time.perf_counter()
     from model import inference
-    from pipelines import distill
+    from pipelines import batching, distill
 
     teacher = artifacts.read(teacher_uri)
-    tokenizer = distill.teacher_tokenizer(teacher)
+    tokenizer = batching.model_tokenizer(teacher)
     pairs = list(corpus.read_split(folder, corpus.TRAIN))
     boundaries = config.encode.bucket_boundaries
-    key = distill.KeyByDecoderShape(tokenizer, boundaries, num_groups=1)  # one input shard
+    key = batching.KeyByDecoderShape(tokenizer, boundaries, num_groups=1)  # one input shard
     groups = collections.defaultdict(list)
     for pair in pairs:
         for shape, member in key.process(pair):
@@ -85,7 +85,8 @@ def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
         batch_size=config.distill.batch_size, boundaries=boundaries)
     decode_seconds, batches = 0.0, 0
     for shape in sorted(groups):
-        for batch in distill.length_batches((shape, groups[shape]), config.distill.batch_size):
+        batch_size = config.distill.batch_size
+        for batch in batching.length_batches((shape, groups[shape]), batch_size):
             translations = translator.translate([source for _, source in batch])
             decode_seconds += translations[0].batch_seconds
             batches += 1
@@ -98,14 +99,14 @@ def run_beam(config: config_lib.Config, teacher_uri: str, folder: str, way: str)
     """The distill job on the FnApiRunner with `BEAM_FLAGS[way]`."""
     import apache_beam as beam
 
-    from pipelines import distill
+    from pipelines import batching, distill
     from pipelines import options as options_lib
 
     teacher = artifacts.read(teacher_uri)
     output = tempfile.mkdtemp(prefix=f"distill-{way}-", dir=folder)
     pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, BEAM_FLAGS[way]))
     distill.build(pipeline, config, prepared_uri=folder, teacher_uri=teacher_uri,
-                  tokenizer=distill.teacher_tokenizer(teacher), num_shards=1,
+                  tokenizer=batching.model_tokenizer(teacher), num_shards=1,
                   output_uri=output)
     started = time.perf_counter()
     result = pipeline.run()

@@ -29,23 +29,12 @@ over all translated sentences, the decode seconds (`latency_s` sums to the batch
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
-from components import records
 from components.config import DistillConfig
 from components.tokenizer import EOS_ID
 
 REASONS = ("source_too_long", "unfinished", "empty", "length_ratio", "low_score")
-
-
-def decoder_shape(source_tokens: int, boundaries: Sequence[int]) -> tuple[int, int]:
-    """(S, T): the padded source width and output width of a batch whose longest source
-    has `source_tokens` tokens (EOS included), as model/inference.py's Translator pads it:
-    the source cut to the widest bucket, S the bucket that holds it, T the bucket that
-    holds twice as many tokens (else the widest). Plain Python: jobs are built without JAX."""
-    length = min(source_tokens, boundaries[-1])
-    return (records.bucket_of(length, length, boundaries),
-            records.bucket_of(min(2 * length, boundaries[-1]), 0, boundaries))
 
 
 def log_prob(translation: Mapping[str, Any], length_penalty: float) -> float:

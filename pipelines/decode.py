@@ -21,7 +21,9 @@ Contract:
                 hypothesis tokens, seconds, sentences/s, tokens/s).
   With `decode.max_sentences` set, only the first N sentences of each test set (by id).
 
-Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
+The batched pass decodes batches of similar lengths and one decoder shape
+(pipelines/batching.py), as a production batch translator does: a batch costs what its
+longest sentence costs. Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
 model/inference.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
 Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
 counted), never dropped. Each method x test set x pass is one RunInference; the
@@ -46,7 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
@@ -54,6 +56,8 @@ from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, R
 
 from components import artifacts, corpus, dag, report
 from components import config as config_lib
+from components import tokenizer as tokenizer_lib
+from pipelines import batching
 from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
@@ -75,11 +79,11 @@ def output_path(artifact_uri: str, folder: str, test_set: str, method: str) -> s
 # --- element logic and transforms --------------------------------------------------------
 
 
-def to_record(pair_id: str, result: PredictionResult) -> dict:
-    """(id, PredictionResult) -> the line written for one sentence."""
+def to_record(pair: dict, result: PredictionResult) -> dict:
+    """(pair, PredictionResult) -> the line written for one sentence."""
     inference = result.inference
     return {
-        "id": pair_id,
+        "id": pair["id"],
         "hypothesis": inference["hypothesis"],
         "latency_s": inference["latency_s"],
         "passes": inference["passes"],
@@ -103,7 +107,7 @@ def _sorted_lines(records: list[dict]) -> Iterator[str]:
 class FirstById(beam.PTransform):
     """The `n` elements with the smallest ids (all if `n` is None); `key` gives the id."""
 
-    def __init__(self, n: Optional[int], key=lambda element: element[0]):
+    def __init__(self, n: Optional[int], key: Callable[[Any], str]):
         super().__init__()
         self._n = n
         self._key = key
@@ -137,24 +141,28 @@ class ReadTestSet(beam.PTransform):
 
 
 class DecodeAndWrite(beam.PTransform):
-    """(id, source) pairs -> one method's records, written in id order to `path`.
+    """(pair, source) examples, or batches of them if `batched` (pipelines/batching.py) ->
+    one method's records, written in id order to `path`.
 
     Counts the records as `counter_name`, and the truncated sources as `truncated_counter`
     if given (truncation depends on the source only: one pass per test set counts it).
     """
 
-    def __init__(self, handler: TranslationModelHandler, path: str, counter_name: str,
-                 truncated_counter: Optional[str] = None):
+    def __init__(self, handler: TranslationModelHandler, path: str, counter_name: str, *,
+                 batched: bool, truncated_counter: Optional[str] = None):
         super().__init__()
         self._handler = handler
         self._path = path
         self._counter_name = counter_name
+        self._batched = batched
         self._truncated_counter = truncated_counter
 
-    def expand(self, sources):
+    def expand(self, examples):
+        handler = KeyedModelHandler(self._handler)
         records = (
-            sources
-            | "RunInference" >> RunInference(KeyedModelHandler(self._handler))
+            examples
+            | "RunInference" >> RunInference(
+                handler.with_no_batching() if self._batched else handler)
             | "ToRecord" >> beam.MapTuple(to_record)
             | "Count" >> beam.Map(_counted, self._counter_name)
         )
@@ -179,34 +187,41 @@ def _count_truncated(record: dict, counter_name: str) -> dict:
 
 
 def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: str,
-          checkpoints: Mapping[str, str], output_uri: str) -> None:
+          checkpoints: Mapping[str, str], tokenizer: tokenizer_lib.Tokenizer,
+          output_uri: str) -> None:
     """Adds, per test set, its reading and one `DecodeAndWrite` per method and pass.
+
+    The batched pass decodes length-sorted batches of one decoder shape each
+    (pipelines/batching.py), as a production batch translator does; the latency pass
+    decodes the latency sample one RunInference batch of `latency_batch_size` at a time.
 
     Args:
       checkpoints: stage ("teacher", "train") -> artifact URI, for the stages the methods use.
+      tokenizer: the models' (teacher and student share the vocab artifact), for the
+        batches' lengths.
     """
     settings = config.decode
+    boundaries = config.encode.bucket_boundaries
     for split in decoded_splits(config.data):
-        sources = (
-            pipeline
-            | f"Read[{split}]" >> ReadTestSet(corpus.split_pattern(prepared_uri, split), split,
-                                             settings.max_sentences)
-            | f"Sources[{split}]" >> beam.Map(lambda pair: (pair["id"], pair["source"]))
-        )
-        passes = (
-            (HYPOTHESES, "batched", settings.throughput_batch_size, sources),
-            (LATENCY, "latency", settings.latency_batch_size,
-             sources | f"LatencySample[{split}]" >> FirstById(settings.latency_sentences)),
-        )
+        pairs = pipeline | f"Read[{split}]" >> ReadTestSet(
+            corpus.split_pattern(prepared_uri, split), split, settings.max_sentences)
+        batches = pairs | f"BatchByLength[{split}]" >> batching.BatchByLength(
+            tokenizer, boundaries, batch_size=settings.throughput_batch_size, num_groups=1)
+        sample = (pairs
+                  | f"LatencySample[{split}]" >> FirstById(settings.latency_sentences,
+                                                           key=lambda pair: pair["id"])
+                  | f"Examples[{split}]" >> beam.Map(lambda pair: (pair, pair["source"])))
+        passes = ((HYPOTHESES, "batched", settings.throughput_batch_size, batches),
+                  (LATENCY, "latency", settings.latency_batch_size, sample))
         for method in settings.methods:
-            for folder, name, batch_size, inputs in passes:
+            for folder, name, batch_size, examples in passes:
                 handler = TranslationModelHandler(
                     checkpoints[method.stage], method, batch_size=batch_size,
-                    boundaries=config.encode.bucket_boundaries, seed=config.seed)
+                    boundaries=boundaries, seed=config.seed)
                 first = folder == HYPOTHESES and method is settings.methods[0]
-                _ = inputs | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
+                _ = examples | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
                     handler, output_path(output_uri, folder, split, method.name),
-                    f"decoded.{split}.{method.name}.{name}",
+                    f"decoded.{split}.{method.name}.{name}", batched=folder == HYPOTHESES,
                     truncated_counter=f"truncated.{split}" if first else None)
 
 
@@ -273,6 +288,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     ) as out:
         pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
         build(pipeline, config, prepared_uri=prepared.uri, checkpoints=checkpoints,
+              tokenizer=batching.model_tokenizer(artifacts.read(checkpoints[needed[0]])),
               output_uri=out.tmp_uri)
         result = pipeline.run()
         result.wait_until_finish()

@@ -24,17 +24,11 @@ Contract:
                   words), `kept_fraction` and `throughput` (sentences/s of the whole job,
                   model loading and compilation included, and of the decode calls alone).
 
-Batching. Each source is keyed by the decoder shape its batch will have (the padded
-source width S and output width T of model/inference.py, from its token count with the
-teacher's tokenizer and the length buckets `encode.bucket_boundaries` the teacher was
-trained with) and by one of as many groups as the prepared train split has shards (a
-stable hash of its id, so that no single key holds a whole shape). Each group is ordered
-by source length, then id, and cut into batches of `distill.batch_size` (the last one of
-a group may be smaller), which RunInference decodes as they are (`with_no_batching`). So a
-batch holds sources of similar lengths and one static shape (the decoder compiles once per
-shape, at most one per bucket), and its contents do not depend on the runner: a rerun
-writes the same pairs. The batches are reshuffled before inference so that a runner spreads
-them over its workers; each worker process restores the teacher once
+Batching (pipelines/batching.py). Sources are cut into batches of `distill.batch_size`
+of one decoder shape each, sorted by length, with the teacher's tokenizer and the length
+buckets `encode.bucket_boundaries` it was trained with, in as many groups as the prepared
+train split has shards; the batches' contents do not depend on the runner, so a rerun
+writes the same pairs. Each worker process restores the teacher once
 (pipelines/inference.py). More prepared train shards mean more, smaller groups.
 
 Run it alone, locally (the in-process FnApiRunner):
@@ -56,8 +50,7 @@ import json
 import logging
 import sys
 import time
-import zlib
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
@@ -66,6 +59,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, R
 from components import artifacts, corpus, dag, distillation
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
+from pipelines import batching
 from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
@@ -87,53 +81,6 @@ def method(settings: config_lib.DistillConfig) -> config_lib.DecodeMethod:
 def _counted(element, counter_name: str):
     Metrics.counter(NAMESPACE, counter_name).inc()
     return element
-
-
-class KeyByDecoderShape(beam.DoFn):
-    """A prepared pair -> ((S, T, group), (source tokens with EOS, pair)): the decoder
-    shape of its batch (`distillation.decoder_shape`) and one of `num_groups` groups."""
-
-    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, boundaries: Sequence[int],
-                 num_groups: int):
-        self._tokenizer = tokenizer  # pickles as its model bytes
-        self._boundaries = tuple(boundaries)
-        self._num_groups = num_groups
-
-    def process(self, pair: dict) -> Iterator[tuple[tuple[int, int, int], tuple[int, dict]]]:
-        length = len(self._tokenizer.encode([pair["source"]])[0]) + 1
-        group = zlib.crc32(pair["id"].encode("utf-8")) % self._num_groups  # stable: not hash()
-        yield (*distillation.decoder_shape(length, self._boundaries), group), (length, pair)
-
-
-def length_batches(group: tuple[tuple, Sequence[tuple[int, dict]]],
-                   batch_size: int) -> Iterator[list[tuple[dict, str]]]:
-    """One group's (source tokens, pair) members, shortest first (then by id),
-    `batch_size` at a time, as RunInference's keyed examples: (pair, source)."""
-    _, members = group
-    ordered = [pair for _, pair in sorted(
-        members, key=lambda member: (member[0], corpus.id_sort_key(member[1]["id"])))]
-    for start in range(0, len(ordered), batch_size):
-        yield [(pair, pair["source"]) for pair in ordered[start:start + batch_size]]
-
-
-class BatchByLength(beam.PTransform):
-    """Prepared pairs -> batches of up to `batch_size` (pair, source) examples of one
-    decoder shape, sorted by source length (see the module docstring)."""
-
-    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, boundaries: Sequence[int], *,
-                 batch_size: int, num_groups: int):
-        super().__init__()
-        self._key = KeyByDecoderShape(tokenizer, boundaries, num_groups)
-        self._batch_size = batch_size
-
-    def expand(self, pairs):
-        return (
-            pairs
-            | "KeyByShape" >> beam.ParDo(self._key)
-            | "GroupByShape" >> beam.GroupByKey()
-            | "CutBatches" >> beam.FlatMap(length_batches, self._batch_size)
-            | "SpreadBatches" >> beam.Reshuffle()
-        )
 
 
 def judge(keyed: tuple[dict, PredictionResult],
@@ -198,7 +145,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
         | "ReadTrain" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.TRAIN))
         | "ParseJson" >> beam.Map(json.loads)
         | "CountRead" >> beam.Map(_counted, "read")
-        | "BatchByLength" >> BatchByLength(tokenizer, boundaries,
+        | "BatchByLength" >> batching.BatchByLength(tokenizer, boundaries,
                                            batch_size=settings.batch_size,
                                            num_groups=num_shards)
         | "Translate" >> RunInference(KeyedModelHandler(handler).with_no_batching())
@@ -260,12 +207,6 @@ def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, int]) -> No
                            f"translated {stats['translated']}, kept {stats['kept']}")
 
 
-def teacher_tokenizer(teacher: artifacts.Artifact) -> tokenizer_lib.Tokenizer:
-    """The vocabulary the teacher was trained with (an input of its artifact)."""
-    return tokenizer_lib.Tokenizer.load(
-        artifacts.join(teacher.manifest["inputs"]["vocab"], tokenizer_lib.MODEL_FILE))
-
-
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Translates the prepared train split with the teacher; publishes the distill artifact."""
     logging.info("distill stage, config:\n%s", config_lib.dump(config))
@@ -284,8 +225,8 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     ) as out:
         pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
         build(pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
-              tokenizer=teacher_tokenizer(teacher), num_shards=len(shards[corpus.TRAIN]),
-              output_uri=out.tmp_uri,
+              tokenizer=batching.model_tokenizer(teacher),
+              num_shards=len(shards[corpus.TRAIN]), output_uri=out.tmp_uri,
               expected_sentences=prepared.manifest["counts"].get(f"kept.{corpus.TRAIN}"))
         started = time.perf_counter()
         result = pipeline.run()

@@ -1,0 +1,63 @@
+"""Length-sorted batches of the RunInference jobs (pipelines/batching.py)."""
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from components import corpus, dag
+from flows import cli
+from pipelines import batching
+from tiny_experiment import publish_untrained, tiny_config
+
+
+def test_batches_are_cut_shortest_first_then_by_id():
+    members = [(length, {"id": f"train:{i:06d}", "source": f"s{i}"})
+               for length, i in ((9, 5), (7, 3), (9, 2), (7, 8), (8, 1))]
+    batches = list(batching.length_batches(((16, 32, 0), members), 2))
+    assert [[pair["id"][-1] for pair, _ in batch] for batch in batches] == \
+        [["3", "8"], ["1", "2"], ["5"]]
+    assert all(source == pair["source"] for batch in batches for pair, source in batch)
+
+
+@pytest.mark.parametrize("boundaries", [(16, 32, 64), (8, 24, 40), (64,)])
+def test_decoder_shapes_are_those_the_translator_pads_to(boundaries):
+    from model import inference
+
+    for length in range(1, 90):
+        cut = min(length, boundaries[-1])  # the Translator cuts sources to the widest bucket
+        assert batching.decoder_shape(length, boundaries) == (
+            inference.bucket(cut, boundaries), inference.output_width(cut, boundaries))
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    config = tiny_config(str(tmp_path_factory.mktemp("batching")))
+    for stage in ("prepare", "vocab"):
+        cli.run_stage(stage, config)
+    publish_untrained(config, "teacher")
+    return config
+
+
+def test_batch_by_length_keeps_every_pair_once_in_sorted_batches_of_one_shape(config):
+    tokenizer = batching.model_tokenizer(dag.require_input(config, "teacher"))
+    pairs = list(corpus.read_split(dag.output_uri(config, "prepare"), "train"))[:80]
+    boundaries = (16, 32, 64)
+
+    def describe(batch):
+        lengths = [len(tokenizer.encode([source])[0]) + 1 for _, source in batch]
+        keys = [(length, corpus.id_sort_key(pair["id"]))
+                for length, (pair, _) in zip(lengths, batch)]
+        shapes = {batching.decoder_shape(length, boundaries) for length in lengths}
+        return len(batch) <= 4, len(shapes), keys == sorted(keys)
+
+    with BeamTestPipeline(runner="FnApiRunner") as p:
+        batches = p | beam.Create(pairs) | batching.BatchByLength(
+            tokenizer, boundaries, batch_size=4, num_groups=2)
+        ids = batches | beam.FlatMap(lambda batch: [pair["id"] for pair, _ in batch])
+        assert_that(ids, equal_to([pair["id"] for pair in pairs]), label="EveryPairOnce")
+        assert_that(batches | beam.Map(describe) | beam.Distinct(), equal_to([(True, 1, True)]),
+                    label="OneShapeSorted")
+        # Only a group's last batch is short: at most one per shape and group.
+        short = batches | beam.Filter(lambda batch: len(batch) < 4) | beam.combiners.Count.Globally()
+        assert_that(short | beam.Map(lambda n: n <= 4 * 2), equal_to([True]), label="FewShort")
