@@ -14,11 +14,25 @@ QUIET_LOGGERS = (
     "httpx",  # Prefect's client: every API request
     "apache_beam.typehints.native_type_compatibility",  # every string type hint of a job
 )
+# Messages dropped whoever logs them. Beam's RunInference imports its model manager, which
+# needs torch, in the same `try` as the `resource` module: without torch it warns at every
+# model load that memory usage cannot be fetched, on Linux too (apache-beam 2.77).
+DROPPED_MESSAGES = ("Resource module is not available for current platform",)
+
+
+class _DropMessages(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(DROPPED_MESSAGES)
 
 
 def configure() -> None:
-    """INFO to stderr, with the noisy libraries above at WARNING."""
+    """INFO to stderr, with the noisy libraries above at WARNING and the messages above
+    dropped."""
     logging.basicConfig(level=logging.INFO, format=FORMAT)
-    logging.getLogger().setLevel(logging.INFO)  # also when something configured it first
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)  # also when something configured it first
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for handler in root.handlers:
+        if not any(isinstance(f, _DropMessages) for f in handler.filters):
+            handler.addFilter(_DropMessages())
