@@ -244,19 +244,6 @@ def _save(figure, path: str) -> None:
         f.write(buffer.getvalue())
 
 
-def _label_offsets(points: Sequence[tuple[float, float]]) -> list[tuple[int, int]]:
-    """Label offsets (points) that stack the labels of near-coincident points (within 3% of
-    the data's range on both axes) instead of printing them over each other."""
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
-    offsets = []
-    for i, (x, y) in enumerate(points):
-        near = sum(1 for px, py in points[:i]
-                   if abs(px - x) < 0.03 * span_x and abs(py - y) < 0.03 * span_y)
-        offsets.append((4, 4 - 10 * near))
-    return offsets
-
-
 def write_plots(report: Mapping[str, Any],
                 latency_records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
                 out_uri: str) -> list[str]:
@@ -280,13 +267,12 @@ def write_plots(report: Mapping[str, Any],
             return artifacts.join(out_uri, "plots", test_set, f"{plot}.png")
 
         figure, axes = plt.subplots(figsize=(6.5, 4.5))
-        points = [(1e3 * m["latency_s"]["median"], m["bleu"]["score"]) for m in methods]
-        for m, (x, y), offset in zip(methods, points, _label_offsets(points)):
-            axes.scatter([x], [y], marker="s" if m["kind"] in BASELINE_KINDS else "o")
-            axes.annotate(m["method"], (x, y), textcoords="offset points", xytext=offset,
-                          fontsize=8)
+        for m in methods:  # a legend, not labels by the points: methods often coincide
+            axes.scatter([1e3 * m["latency_s"]["median"]], [m["bleu"]["score"]],
+                         marker="s" if m["kind"] in BASELINE_KINDS else "o", label=m["method"])
         axes.set(xlabel="median latency per sentence, batch 1 (ms)", ylabel="sacreBLEU",
                  title=f"{test_set}: quality against latency")
+        axes.legend(fontsize=7, ncol=2, loc="lower right")
         axes.grid(alpha=0.3)
         _save(figure, path("bleu_vs_latency"))
         plt.close(figure)

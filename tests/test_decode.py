@@ -250,8 +250,3 @@ def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch,
     assert error.value.code == 2
     assert "'beam_size' does not apply" in capsys.readouterr().err
 
-
-def test_plot_labels_of_coincident_methods_are_stacked():
-    points = [(10.0, 17.4), (10.2, 17.5), (50.0, 23.0), (10.1, 17.45)]
-    assert report._label_offsets(points) == [(4, 4), (4, -6), (4, 4), (4, -16)]
-    assert report._label_offsets([(1.0, 1.0)]) == [(4, 4)]
