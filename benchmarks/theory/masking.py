@@ -14,8 +14,8 @@ this and benchmarks/theory/sampling.py together).
 from __future__ import annotations
 
 import argparse
-import logging
 
+from components import logs
 from model import ising_experiments
 
 
@@ -28,5 +28,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="work/theory")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logs.configure()
     run(args.out, args.quick)
