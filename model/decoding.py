@@ -1,29 +1,38 @@
 """Non-autoregressive decoders for the PaDIR student (jitted, static shapes, batched).
 
-Three decoders over the same model callbacks, each a pure function with an explicit state
-struct carried through `lax.while_loop` (flax wmt decode.py style):
+Decoding is two jitted calls with a host decision between them, because the output width
+that a batch needs is known only once its lengths are predicted:
 
-    result = refine(model, params, source, num_length_candidates=3,
-                    length_offsets=(-1, 0, 1), max_iterations=4, init="mask")
-    result = mask_predict(model, params, source, num_length_candidates=3,
-                          length_offsets=(0,), iterations=10)
-    result = adaptive(model, params, source, num_length_candidates=3,
-                      length_offsets=(0,), tokens_per_step=2, criterion="margin")
+    candidates = predict_candidates(model, params, source, num_length_candidates=1,
+                                    length_offsets=(-1, 0, 1), max_len=32)
+    width = output_width(candidates.lengths, max_len=32)     # host: a multiple of 8
+    result = refine(model, params, candidates, width=width, max_iterations=4, init="mask")
+    result = mask_predict(model, params, candidates, width=width, iterations=10)
+    result = adaptive(model, params, candidates, width=width, tokens_per_step=2,
+                      criterion="margin")
     result.tokens, result.scores, result.passes, result.lengths
 
+`predict_candidates` runs the encoder and the length head once per batch; each decoder then
+compiles once per width it meets (a handful: `WIDTH_STEP` apart). A pass's cost grows with
+its rows (candidates x width), so the width follows the longest candidate, not the source.
+
 The model is anything with the `NARModel` protocol (`PaDIRModel` has it); tests plug in
-oracles whose logits do not depend on a network.
+oracles whose logits do not depend on a network. What a pass reuses (the encoder output's
+cross-attention keys and values, positional attention) is computed once per batch by
+`model.decoder_memory` and read by every pass.
 
 Shapes: B sentences, C = num_length_candidates * len(length_offsets) candidates per
 sentence, N = B * C flattened rows (row b * C + c is candidate c of sentence b), T output
-width (`max_len`, default `model.config.max_target_len`), V vocabulary.
+width, V vocabulary.
 
 Definitions shared by the three decoders:
 
 * **Candidate lengths** (counting EOS): the `num_length_candidates` most likely length
-  classes among the feasible ones (lengths 2..T: at least one token before EOS), each
-  plus every offset, clipped to [2, T]. Clipping can make two candidates equal; they are
-  decoded anyway (static shapes), and ties in score go to the first.
+  classes among the feasible ones (lengths 2..max_len: at least one token before EOS), each
+  plus every offset, clipped to [2, max_len]. Clipping can make two candidates equal; they
+  are decoded anyway (static shapes), and ties in score go to the first.
+* **Width**: T >= every candidate length of the batch. Positions past a row's EOS are PAD,
+  which no attention reads, so a row decodes to the same tokens at any such T.
 * **Layout**: for a candidate of length L, positions 0..L-2 hold tokens ("content"),
   position L-1 holds EOS, positions >= L hold PAD, in every hypothesis and in the output.
 * **Distribution**: the logits are restricted to target ids (`mask_non_target_ids`: never
@@ -34,8 +43,8 @@ Definitions shared by the three decoders:
   log-probability of the output token; for refinement under the row's final pass, for
   Mask-Predict and adaptive order when the token was (last) predicted, EOS's under the
   row's last pass. The candidate with the best score is returned for each sentence.
-* **Passes** per sentence: the maximum over its candidates (they run together as one
-  batch, so a sentence costs what its slowest candidate costs).
+* **Passes** per sentence: the decoder passes run while any of its candidates was still
+  decoding (they run together as one batch, so a sentence costs its slowest candidate).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from typing import Any, Callable, Literal, Protocol
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED
 from model.models import masked_hypothesis
@@ -55,6 +65,7 @@ Params = Any
 LogitsFn = Callable[[jax.Array], jax.Array]
 
 MIN_LENGTH = 2  # counting EOS: a candidate has at least one token
+WIDTH_STEP = 8  # output widths are multiples of this: few compilations, little padding
 INITS = ("mask", "random")
 CRITERIA = ("top_prob", "margin")
 
@@ -76,10 +87,23 @@ class NARModel(Protocol):
     def length_logits(self, params: Params, encoded: Any) -> jax.Array:
         """float32[B, max_target_len]; class c is a length of c + 1 counting EOS."""
 
-    def decode_logits(
-        self, params: Params, encoded: Any, memory_mask: jax.Array, hypothesis: jax.Array
-    ) -> jax.Array:
+    def decoder_memory(
+        self, params: Params, encoded: Any, memory_mask: jax.Array, valid: jax.Array
+    ) -> Any:
+        """What every pass over N rows reuses; valid bool[N, T] marks the non-PAD positions
+        (the same in every pass)."""
+
+    def pass_logits(self, params: Params, memory: Any, hypothesis: jax.Array) -> jax.Array:
         """One decoder pass: hypothesis int32[N, T] -> logits float32[N, T, V]."""
+
+
+@flax.struct.dataclass
+class Candidates:
+    """A batch encoded once, with its candidate lengths (`predict_candidates`)."""
+
+    encoded: Any  # model.encode's output, leaves with B rows first
+    memory_mask: jax.Array  # bool[B, S']
+    lengths: jax.Array  # int32[B, C], counting EOS
 
 
 @flax.struct.dataclass
@@ -88,11 +112,11 @@ class DecodeResult:
 
     tokens: jax.Array  # int32[B, T]: real pieces, EOS at lengths - 1, PAD after
     scores: jax.Array  # float32[B]: mean log-probability over the L tokens (EOS included)
-    passes: jax.Array  # int32[B]: decoder passes (see each decoder for the count)
+    passes: jax.Array  # int32[B]: decoder passes run (see each decoder)
     lengths: jax.Array  # int32[B]: chosen length, counting EOS
 
 
-# --- shared pieces ------------------------------------------------------------------
+# --- candidates and width -----------------------------------------------------------
 
 
 def candidate_lengths(
@@ -104,11 +128,11 @@ def candidate_lengths(
       length_logits: float[B, K]; class c is a length of c + 1 counting EOS.
       num_candidates: k, how many of the most likely feasible classes to take.
       offsets: added to each of them, e.g. (-1, 0, 1).
-      max_len: T, the longest length that fits the output.
+      max_len: the longest length allowed.
 
     Returns:
       int32[B, k * len(offsets)]: candidate i * len(offsets) + j is the i-th most likely
-      length plus offsets[j], clipped to [MIN_LENGTH, T].
+      length plus offsets[j], clipped to [MIN_LENGTH, max_len].
     """
     lengths = jnp.arange(1, length_logits.shape[-1] + 1)  # [K]
     feasible = (lengths >= MIN_LENGTH) & (lengths <= max_len)  # [K]
@@ -119,59 +143,109 @@ def candidate_lengths(
     return lengths.reshape(lengths.shape[0], -1).astype(jnp.int32)  # [B, C]
 
 
-def _layout(lengths: jax.Array, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+@functools.partial(
+    jax.jit, static_argnames=("model", "num_length_candidates", "length_offsets", "max_len")
+)
+def predict_candidates(
+    model: NARModel,
+    params: Params,
+    source: jax.Array,
+    *,
+    num_length_candidates: int,
+    length_offsets: tuple[int, ...],
+    max_len: int | None = None,
+) -> Candidates:
+    """Encodes a batch and picks its candidate lengths: the first of the two calls.
+
+    Args:
+      model: a `NARModel` (hashable: static under jit).
+      params: the model's parameters.
+      source: int32[B, S] ids + EOS, 0-padded.
+      num_length_candidates: k most likely lengths (static).
+      length_offsets: a tuple added to each, e.g. (-1, 0, 1) (static).
+      max_len: the longest candidate (static; default `model.config.max_target_len`).
+    """
+    max_len = model.config.max_target_len if max_len is None else max_len
+    if not MIN_LENGTH <= max_len <= model.config.max_target_len:
+        raise ValueError(
+            f"max_len {max_len} outside [{MIN_LENGTH}, {model.config.max_target_len}]")
+    feasible = max_len - MIN_LENGTH + 1  # lengths MIN_LENGTH..max_len
+    if not 1 <= num_length_candidates <= feasible:
+        raise ValueError(f"num_length_candidates {num_length_candidates} outside [1, {feasible}]")
+    encoded, memory_mask = model.encode(params, source)  # leaves [B, ...]
+    lengths = candidate_lengths(
+        model.length_logits(params, encoded), num_length_candidates, tuple(length_offsets),
+        max_len)  # [B, C]
+    return Candidates(encoded=encoded, memory_mask=memory_mask, lengths=lengths)
+
+
+def output_width(lengths: Any, max_len: int) -> int:
+    """The width T of a batch (host side): its longest candidate length rounded up to a
+    multiple of `WIDTH_STEP`, at most `max_len`. lengths: int[B, C], on device or host."""
+    longest = int(np.max(np.asarray(lengths)))
+    return min(max_len, -(-longest // WIDTH_STEP) * WIDTH_STEP)
+
+
+# --- shared pieces ------------------------------------------------------------------
+
+
+def _layout(lengths: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """lengths int32[N] -> (content, eos, valid) bool[N, T]."""
-    positions = jnp.arange(max_len)[None, :]  # [1, T]
+    positions = jnp.arange(width)[None, :]  # [1, T]
     eos_at = (lengths - 1)[:, None]  # [N, 1]
     return positions < eos_at, positions == eos_at, positions <= eos_at
 
 
-def _log_probs(logits: jax.Array) -> jax.Array:
-    """float[N, T, V] -> float32[N, T, V], log-softmax over target ids only."""
-    return jax.nn.log_softmax(mask_non_target_ids(logits.astype(jnp.float32)), axis=-1)
+@flax.struct.dataclass
+class PassReading:
+    """What the decoders read from one pass's logits, without a [N, T, V] log-softmax:
+    an argmax over the real pieces, a max over the few reserved ids, one exp-sum."""
+
+    prediction: jax.Array  # int32[N, T]: argmax over all target ids (ties: lowest id)
+    best_real: jax.Array  # int32[N, T]: the most likely real piece (id >= NUM_RESERVED)
+    best_real_log_prob: jax.Array  # float32[N, T]
+    eos_log_prob: jax.Array  # float32[N, T]
 
 
-def _best_real(log_probs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The most likely real piece (id >= NUM_RESERVED) and its log-probability.
-
-    float32[N, T, V] -> (int32[N, T], float32[N, T]).
-    """
-    real = log_probs[..., NUM_RESERVED:]  # [N, T, V - NUM_RESERVED]
+def read_logits(logits: jax.Array) -> PassReading:
+    """float[N, T, V] logits -> PassReading (probabilities over target ids only)."""
+    logits = mask_non_target_ids(logits.astype(jnp.float32))  # [N, T, V]
+    real = logits[..., NUM_RESERVED:]  # [N, T, V - R]
     index = jnp.argmax(real, axis=-1)  # [N, T]
-    best = jnp.take_along_axis(real, index[..., None], axis=-1)[..., 0]  # [N, T]
-    return (index + NUM_RESERVED).astype(jnp.int32), best
+    real_max = jnp.take_along_axis(real, index[..., None], axis=-1)[..., 0]  # [N, T]
+    reserved = logits[..., :NUM_RESERVED]  # [N, T, R]
+    reserved_max = jnp.max(reserved, axis=-1)  # [N, T]
+    top = jnp.maximum(real_max, reserved_max)  # [N, T]: the max over all ids
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # [N, T]
+    best_real = (index + NUM_RESERVED).astype(jnp.int32)  # [N, T]
+    prediction = jnp.where(
+        reserved_max >= real_max, jnp.argmax(reserved, axis=-1).astype(jnp.int32), best_real)
+    return PassReading(
+        prediction=prediction,
+        best_real=best_real,
+        best_real_log_prob=(real_max - top) - log_sum,  # [N, T]
+        eos_log_prob=(logits[..., EOS_ID] - top) - log_sum,  # [N, T]
+    )
 
 
-def _gather(log_probs: jax.Array, tokens: jax.Array) -> jax.Array:
-    """float32[N, T, V], int32[N, T] -> float32[N, T]: the log-probability of each token."""
-    return jnp.take_along_axis(log_probs, tokens[..., None], axis=-1)[..., 0]
-
-
-def _prepare(
-    model: NARModel,
-    params: Params,
-    source: jax.Array,
-    num_length_candidates: int,
-    length_offsets: tuple[int, ...],
-    max_len: int,
-) -> tuple[LogitsFn, jax.Array]:
-    """Encodes once, picks candidate lengths, repeats the encoding per candidate.
+def _logits_fn(model: NARModel, params: Params, candidates: Candidates, width: int
+               ) -> tuple[LogitsFn, jax.Array]:
+    """Repeats the encoding per candidate and builds the pass-invariant memory once.
 
     Returns (logits_fn: int32[N, T] -> float[N, T, V], lengths int32[N]).
     """
-    encoded, memory_mask = model.encode(params, source)  # leaves [B, ...]
-    lengths = candidate_lengths(
-        model.length_logits(params, encoded), num_length_candidates, length_offsets, max_len
-    )  # [B, C]
-    repeats = lengths.shape[1]
+    lengths = candidates.lengths.reshape(-1)  # [N]
+    repeats = candidates.lengths.shape[1]
     encoded, memory_mask = jax.tree.map(
-        lambda x: jnp.repeat(x, repeats, axis=0), (encoded, memory_mask)
+        lambda x: jnp.repeat(x, repeats, axis=0), (candidates.encoded, candidates.memory_mask)
     )  # leaves [N, ...]
+    _, _, valid = _layout(lengths, width)  # [N, T]
+    memory = model.decoder_memory(params, encoded, memory_mask, valid)
 
     def logits_fn(hypothesis: jax.Array) -> jax.Array:
-        return model.decode_logits(params, encoded, memory_mask, hypothesis)  # [N, T, V]
+        return model.pass_logits(params, memory, hypothesis)  # [N, T, V]
 
-    return logits_fn, lengths.reshape(-1)  # [N]
+    return logits_fn, lengths
 
 
 def _choose(
@@ -202,18 +276,6 @@ def _choose(
         passes=jnp.max(passes.reshape(batch_size, -1), axis=1).astype(jnp.int32),  # [B]
         lengths=pick(lengths),  # [B]
     )
-
-
-def _check_common(model: NARModel, num_length_candidates: int, max_len: int | None) -> int:
-    """Validates the arguments every decoder takes; returns the output width T."""
-    max_len = model.config.max_target_len if max_len is None else max_len
-    if not MIN_LENGTH <= max_len <= model.config.max_target_len:
-        raise ValueError(
-            f"max_len {max_len} outside [{MIN_LENGTH}, {model.config.max_target_len}]")
-    feasible = max_len - MIN_LENGTH + 1  # lengths MIN_LENGTH..T
-    if not 1 <= num_length_candidates <= feasible:
-        raise ValueError(f"num_length_candidates {num_length_candidates} outside [1, {feasible}]")
-    return max_len
 
 
 # --- PaDIR refinement ---------------------------------------------------------------
@@ -256,7 +318,7 @@ class RefineState:
     hypothesis: jax.Array  # int32[N, T]: the next pass's input
     tokens: jax.Array  # int32[N, T]: the output of the row's last pass
     token_log_probs: jax.Array  # float32[N, T]: of `tokens` under that pass
-    passes: jax.Array  # int32[N]: counted passes (see `refine`)
+    passes: jax.Array  # int32[N]: passes run while the row was not converged
     converged: jax.Array  # bool[N]
 
 
@@ -274,31 +336,28 @@ def refine_loop(
     Returns:
       The final RefineState (see `refine` for the definitions).
     """
-    num_rows, max_len = initial.shape
-    content, _, valid = _layout(lengths, max_len)  # [N, T] each
+    num_rows, width = initial.shape
+    content, eos, _ = _layout(lengths, width)  # [N, T] each
 
     def cond(state: RefineState) -> jax.Array:
         return (state.step < max_iterations) & ~jnp.all(state.converged)
 
     def body(state: RefineState) -> RefineState:
-        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
-        predictions = jnp.argmax(log_probs, axis=-1).astype(jnp.int32)  # [N, T]
-        hypothesis, _ = accept_predictions(predictions, initial, content)  # [N, T]
-        fill, _ = _best_real(log_probs)  # [N, T]
-        tokens = jnp.where(content, fill, initial)  # [N, T]: pieces, EOS, PAD
-        token_log_probs = jnp.where(valid, _gather(log_probs, tokens), 0.0)  # [N, T]
-
+        reading = read_logits(logits_fn(state.hypothesis))  # [N, T] each
+        hypothesis, _ = accept_predictions(reading.prediction, initial, content)  # [N, T]
+        tokens = jnp.where(content, reading.best_real, initial)  # [N, T]: pieces, EOS, PAD
+        token_log_probs = jnp.where(
+            content, reading.best_real_log_prob, jnp.where(eos, reading.eos_log_prob, 0.0)
+        )  # [N, T]
         active = ~state.converged  # [N]
         changed = jnp.any(hypothesis != state.hypothesis, axis=1)  # [N]
-        # The pass that confirms a fixed point is not counted; the first pass always is.
-        counted = active & (changed | (state.step == 0))  # [N]
         keep = active[:, None]  # [N, 1]
         return RefineState(
             step=state.step + 1,
             hypothesis=jnp.where(keep, hypothesis, state.hypothesis),  # [N, T]
             tokens=jnp.where(keep, tokens, state.tokens),  # [N, T]
             token_log_probs=jnp.where(keep, token_log_probs, state.token_log_probs),  # [N, T]
-            passes=state.passes + counted.astype(jnp.int32),  # [N]
+            passes=state.passes + active.astype(jnp.int32),  # [N]
             converged=state.converged | (active & ~changed),  # [N]
         )
 
@@ -306,30 +365,23 @@ def refine_loop(
         step=jnp.array(0, jnp.int32),
         hypothesis=initial,  # [N, T]
         tokens=initial,  # [N, T]
-        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, width), jnp.float32),  # [N, T]
         passes=jnp.zeros((num_rows,), jnp.int32),  # [N]
         converged=jnp.zeros((num_rows,), bool),  # [N]
     )
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model", "num_length_candidates", "length_offsets", "max_iterations", "init", "max_len",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("model", "width", "max_iterations", "init"))
 def refine(
     model: NARModel,
     params: Params,
-    source: jax.Array,
+    candidates: Candidates,
     *,
-    num_length_candidates: int,
-    length_offsets: tuple[int, ...],
+    width: int,
     max_iterations: int,
     init: Literal["mask", "random"] = "mask",
     rng: jax.Array | None = None,
-    max_len: int | None = None,
 ) -> DecodeResult:
     """PaDIR decoding by parallel iterative refinement.
 
@@ -348,39 +400,32 @@ def refine(
     the prediction was accepted this is the prediction itself; where it was rejected or
     stuttered it is the best real piece, so the output holds no reserved id), EOS, PAD.
 
-    Passes: per row, the passes that changed the hypothesis, and the first pass in any
-    case; the confirming pass (the one that left the row unchanged) is not counted. So a
-    row whose first pass produces a fixed point (an oracle) counts 1 pass; a row that
-    never converges counts `max_iterations`. The passes run for a row are its count plus
-    one if it converged before `max_iterations`. Per sentence: the maximum over its
-    candidates.
+    Passes: per row, every pass run until it converged, the confirming pass (the one that
+    left the row unchanged) included; a row that converges at pass t (an oracle: t = 2)
+    counts t, one that never converges `max_iterations`. Per sentence: the maximum over
+    its candidates, i.e. the decoder runs it cost.
 
     Args:
       model: a `NARModel` (hashable: static under jit).
       params: the model's parameters.
-      source: int32[B, S] ids + EOS, 0-padded.
-      num_length_candidates: k most likely lengths (static).
-      length_offsets: a tuple added to each, e.g. (-1, 0, 1) (static).
+      candidates: from `predict_candidates`.
+      width: T >= every candidate length (static; `output_width`).
       max_iterations: the most passes, >= 1 (static).
       init: "mask" or "random" (static).
       rng: a PRNG key, required by `init="random"`.
-      max_len: output width T (static; default `model.config.max_target_len`).
 
     Returns:
       DecodeResult of B rows.
     """
-    max_len = _check_common(model, num_length_candidates, max_len)
     if max_iterations < 1:
         raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     if init == "random" and rng is None:
         raise ValueError('init="random" needs an rng')
-    batch_size = source.shape[0]
-    logits_fn, lengths = _prepare(
-        model, params, source, num_length_candidates, tuple(length_offsets), max_len
-    )  # lengths [N]
-    initial = masked_hypothesis(lengths, max_len)  # [N, T]: MASK, EOS, PAD
+    batch_size = candidates.lengths.shape[0]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    initial = masked_hypothesis(lengths, width)  # [N, T]: MASK, EOS, PAD
     if init == "random":
         pieces = jax.random.randint(
             rng, initial.shape, model.first_real_id, model.vocab_size, jnp.int32
@@ -419,19 +464,14 @@ class MaskPredictState:
     token_log_probs: jax.Array  # float32[N, T]: of each token when last predicted
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("model", "num_length_candidates", "length_offsets", "iterations", "max_len"),
-)
+@functools.partial(jax.jit, static_argnames=("model", "width", "iterations"))
 def mask_predict(
     model: NARModel,
     params: Params,
-    source: jax.Array,
+    candidates: Candidates,
     *,
-    num_length_candidates: int,
-    length_offsets: tuple[int, ...],
+    width: int,
     iterations: int,
-    max_len: int | None = None,
 ) -> DecodeResult:
     """Mask-Predict (Ghazvininejad et al. 2019) with a length beam.
 
@@ -445,32 +485,29 @@ def mask_predict(
     still runs in the batch).
 
     Args:
-      model, params, source, num_length_candidates, length_offsets, max_len: as `refine`.
+      model, params, candidates, width: as `refine`.
       iterations: T >= 1 (static).
 
     Returns:
       DecodeResult of B rows; `passes` is T.
     """
-    max_len = _check_common(model, num_length_candidates, max_len)
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    batch_size = source.shape[0]
-    logits_fn, lengths = _prepare(
-        model, params, source, num_length_candidates, tuple(length_offsets), max_len
-    )  # lengths [N]
-    content, eos, _ = _layout(lengths, max_len)  # [N, T] each
+    batch_size = candidates.lengths.shape[0]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    content, eos, _ = _layout(lengths, width)  # [N, T] each
     num_content = lengths - 1  # [N]
 
     def cond(state: MaskPredictState) -> jax.Array:
         return state.step < iterations
 
     def body(state: MaskPredictState) -> MaskPredictState:
-        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
-        fill, fill_log_probs = _best_real(log_probs)  # [N, T]
+        reading = read_logits(logits_fn(state.hypothesis))  # [N, T] each
         predict = content & (state.hypothesis == MASK_ID)  # [N, T]
-        hypothesis = jnp.where(predict, fill, state.hypothesis)  # [N, T]
-        token_log_probs = jnp.where(predict, fill_log_probs, state.token_log_probs)  # [N, T]
-        token_log_probs = jnp.where(eos, log_probs[..., EOS_ID], token_log_probs)  # [N, T]
+        hypothesis = jnp.where(predict, reading.best_real, state.hypothesis)  # [N, T]
+        token_log_probs = jnp.where(
+            predict, reading.best_real_log_prob, state.token_log_probs)  # [N, T]
+        token_log_probs = jnp.where(eos, reading.eos_log_prob, token_log_probs)  # [N, T]
         done = state.step + 1  # passes after this one
         remask = (num_content * (iterations - done)) // iterations  # [N]
         chosen = lowest_ranked(token_log_probs, content, remask)  # [N, T]
@@ -483,8 +520,8 @@ def mask_predict(
     num_rows = lengths.shape[0]
     state = MaskPredictState(
         step=jnp.array(0, jnp.int32),
-        hypothesis=masked_hypothesis(lengths, max_len),  # [N, T]
-        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+        hypothesis=masked_hypothesis(lengths, width),  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, width), jnp.float32),  # [N, T]
     )
     state = jax.lax.while_loop(cond, body, state)
     passes = jnp.full((num_rows,), iterations, jnp.int32)  # [N]
@@ -526,22 +563,16 @@ class AdaptiveState:
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model", "num_length_candidates", "length_offsets", "tokens_per_step", "criterion",
-        "max_len",
-    ),
+    jax.jit, static_argnames=("model", "width", "tokens_per_step", "criterion")
 )
 def adaptive(
     model: NARModel,
     params: Params,
-    source: jax.Array,
+    candidates: Candidates,
     *,
-    num_length_candidates: int,
-    length_offsets: tuple[int, ...],
+    width: int,
     tokens_per_step: int,
     criterion: Literal["top_prob", "margin"],
-    max_len: int | None = None,
 ) -> DecodeResult:
     """Adaptive-order unmasking (Kim et al. 2025, "Train for the Worst, Plan for the Best").
 
@@ -552,44 +583,42 @@ def adaptive(
     frozen while longer rows go on; the loop runs at most ceil((T - 1) / K) passes.
 
     Args:
-      model, params, source, num_length_candidates, length_offsets, max_len: as `refine`.
+      model, params, candidates, width: as `refine`.
       tokens_per_step: K >= 1 (static).
       criterion: "top_prob" or "margin" (static).
 
     Returns:
       DecodeResult of B rows; `passes` is ceil(L / K) of its longest candidate.
     """
-    max_len = _check_common(model, num_length_candidates, max_len)
     if tokens_per_step < 1:
         raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
-    batch_size = source.shape[0]
-    logits_fn, lengths = _prepare(
-        model, params, source, num_length_candidates, tuple(length_offsets), max_len
-    )  # lengths [N]
-    content, eos, _ = _layout(lengths, max_len)  # [N, T] each
-    max_steps = -(-(max_len - 1) // tokens_per_step)
+    batch_size = candidates.lengths.shape[0]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    content, eos, _ = _layout(lengths, width)  # [N, T] each
+    max_steps = -(-(width - 1) // tokens_per_step)
 
     def cond(state: AdaptiveState) -> jax.Array:
         masked = content & (state.hypothesis == MASK_ID)  # [N, T]
         return (state.step < max_steps) & jnp.any(masked)
 
     def body(state: AdaptiveState) -> AdaptiveState:
-        log_probs = _log_probs(logits_fn(state.hypothesis))  # [N, T, V]
+        logits = mask_non_target_ids(logits_fn(state.hypothesis).astype(jnp.float32))
+        log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, T, V]: top-2 needs them
         masked = content & (state.hypothesis == MASK_ID)  # [N, T]
         active = jnp.any(masked, axis=1)  # [N]
-        fill, fill_log_probs = _best_real(log_probs)  # [N, T]
+        reading = read_logits(logits)  # [N, T] each
         chosen = lowest_ranked(
             -certainty(log_probs, criterion), masked, jnp.asarray(tokens_per_step)
         )  # [N, T]: the K most certain masked positions
-        token_log_probs = jnp.where(chosen, fill_log_probs, state.token_log_probs)  # [N, T]
+        token_log_probs = jnp.where(chosen, reading.best_real_log_prob, state.token_log_probs)
         token_log_probs = jnp.where(
-            eos & active[:, None], log_probs[..., EOS_ID], token_log_probs
+            eos & active[:, None], reading.eos_log_prob, token_log_probs
         )  # [N, T]
         return AdaptiveState(
             step=state.step + 1,
-            hypothesis=jnp.where(chosen, fill, state.hypothesis),  # [N, T]
+            hypothesis=jnp.where(chosen, reading.best_real, state.hypothesis),  # [N, T]
             token_log_probs=token_log_probs,  # [N, T]
             passes=state.passes + active.astype(jnp.int32),  # [N]
         )
@@ -597,8 +626,8 @@ def adaptive(
     num_rows = lengths.shape[0]
     state = AdaptiveState(
         step=jnp.array(0, jnp.int32),
-        hypothesis=masked_hypothesis(lengths, max_len),  # [N, T]
-        token_log_probs=jnp.zeros((num_rows, max_len), jnp.float32),  # [N, T]
+        hypothesis=masked_hypothesis(lengths, width),  # [N, T]
+        token_log_probs=jnp.zeros((num_rows, width), jnp.float32),  # [N, T]
         passes=jnp.zeros((num_rows,), jnp.int32),  # [N]
     )
     state = jax.lax.while_loop(cond, body, state)

@@ -13,20 +13,28 @@ checkpoint the training stage would decode with (the best by the run's `best_met
 the student, of its last phase). `load_cached` restores each artifact once per process.
 
 Static shapes. A batch of sentences is tokenised (pieces + EOS; a source longer than the
-widest bucket is cut to it, EOS kept, and flagged `truncated`), padded to the smallest
-bucket boundary S that holds its longest source, and decoded into T = `output_width`
-positions: the smallest boundary that holds twice that source, so that targets up to twice
-as long as the source are never cut (Multi30k en-de targets average 1.04x their source).
+widest bucket is cut to it, EOS kept, and flagged `truncated`) and padded to the smallest
+bucket boundary S that holds its longest source. Its output cap is `output_width`: the
+smallest boundary that holds twice that source, so that targets up to twice as long as the
+source are never cut (Multi30k en-de targets average 1.04x their source). The AR kinds
+decode into the cap (the width only sizes their KV cache; the loop stops when every row
+has emitted EOS). The PaDIR kinds run two calls: the encoder and the length head, which
+pick candidate lengths up to the cap, then the decoder at the width T those lengths need
+(`decoding.output_width`: a multiple of 8), because every pass costs rows x T.
 Rows are filled up to `batch_size` with copies of the first sentence, whose outputs are
 discarded: a copy finishes when its original does, so filler rows never lengthen a
-`while_loop`. A translator therefore compiles once per (S, T) pair it meets, at most a few
-shapes (`TRACES` counts the traces).
+`while_loop`. A translator therefore compiles once per source bucket S (`TRACES` counts
+those traces) and, for the PaDIR kinds, once per width T (`WIDTH_TRACES`).
 
-Timing. The first batch of each shape runs once untimed (compilation), then again timed:
-`batch_seconds` is the wall time of the jitted call until `block_until_ready`, host to
-device transfer included, tokenisation and detokenisation excluded. `latency_s` is
-`batch_seconds` at batch size 1; in a larger batch it is `batch_seconds` divided by the
-number of real sentences in the batch (an amortised cost, not a latency a user would see).
+Timing. A batch whose shapes (S, cap, T) were not met before is decoded twice and timed the
+second time (the first compiles):
+`batch_seconds` is the wall time from the first jitted call until the last one's
+`block_until_ready`, host to device transfer included, tokenisation and detokenisation
+excluded. It splits into `encode_seconds` (PaDIR: encoder + length head, until its lengths
+are on the host; AR: the encoder), the choice of width on the host, and `search_seconds`
+(the passes or steps). `latency_s` is `batch_seconds` at batch size 1; in a larger batch it
+is `batch_seconds` divided by the number of real sentences in the batch (an amortised cost,
+not a latency a user would see).
 
 Decoder passes per sentence: for the NAR kinds what `model.decoding` reports; for the AR
 kinds the hypothesis length counting EOS (the steps that produced it; beam search may run
@@ -60,10 +68,12 @@ from model.models import ARModel, PaDIRModel
 log = logging.getLogger(__name__)
 
 TRAINING_STAGES = ("teacher", "train")
-# Checkpoint restores in this process, by artifact URI (tests assert "once per process"),
-# and traces of the decode functions, by (artifact URI, method name, batch size).
+# Checkpoint restores in this process, by artifact URI (tests assert "once per process");
+# traces of the encoding call, by (artifact URI, method name, batch size), one per source
+# bucket; traces of the PaDIR search, by (artifact URI, method name, batch size, width).
 RESTORES: collections.Counter = collections.Counter()
 TRACES: collections.Counter = collections.Counter()
+WIDTH_TRACES: collections.Counter = collections.Counter()
 _CACHE: dict[tuple[str, str], "LoadedModel"] = {}
 _CACHE_LOCK = threading.Lock()
 
@@ -156,8 +166,8 @@ def bucket(length: int, boundaries: Sequence[int]) -> int:
 
 
 def output_width(source_length: int, boundaries: Sequence[int]) -> int:
-    """T for a batch whose longest source has `source_length` tokens (EOS included): the
-    smallest boundary that holds twice as many, else the widest."""
+    """The output cap of a batch whose longest source has `source_length` tokens (EOS
+    included): the smallest boundary that holds twice as many, else the widest."""
     return bucket(min(2 * source_length, boundaries[-1]), boundaries)
 
 
@@ -173,6 +183,9 @@ class Translation:
     truncated: bool  # the source was cut to the widest bucket
     latency_s: float
     batch_seconds: float
+    encode_seconds: float  # of batch_seconds (see the module docstring)
+    search_seconds: float
+    width: int  # output positions decoded (PaDIR: from the lengths; AR: the cap)
     batch_size: int  # real sentences in the decoded batch
 
     def as_record(self) -> dict[str, Any]:
@@ -185,33 +198,41 @@ def _hypothesis_ids(row: np.ndarray) -> list[int]:
     return ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
 
 
-def _decode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Array,
-                  rng: jax.Array, *, max_len: int) -> dict[str, jax.Array]:
-    """One method on one padded batch: int32[B, S] -> {"tokens": int32[B, T],
-    "scores": float32[B], "passes": int32[B]} (scores/passes of AR kinds: see `Translator`)."""
-    batch = source.shape[0]
-    zeros = jnp.zeros((batch,), jnp.float32)
-    if method.kind == "ar_greedy":
-        tokens = model.predict_batch(
-            params, {"source": source, "target": jnp.zeros((batch, max_len), jnp.int32)})
-        return {"tokens": tokens, "scores": zeros, "passes": jnp.zeros((batch,), jnp.int32)}
-    if method.kind == "ar_beam":
-        tokens, scores = model.beam_search(
-            params, {"source": source, "target": jnp.zeros((batch, max_len), jnp.int32)},
-            beam_size=method.beam_size, length_penalty=method.length_penalty)
+def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Array, *,
+                  max_len: int) -> Any:
+    """The first call: the encoder (AR), or the encoder and the length head (PaDIR:
+    `decoding.Candidates` with lengths up to `max_len`)."""
+    if method.stage == "teacher":
+        return model.encode(params, source)
+    return decoding.predict_candidates(
+        model, params, source, num_length_candidates=method.num_length_candidates,
+        length_offsets=tuple(method.length_offsets), max_len=max_len)
+
+
+def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
+                  rng: jax.Array, *, width: int) -> dict[str, jax.Array]:
+    """The second call, into `width` positions: {"tokens": int32[B, T], "scores":
+    float32[B], "passes": int32[B]} (scores/passes of AR kinds: see `Translator`)."""
+    if method.kind in ("ar_greedy", "ar_beam"):
+        batch = encoded[0].shape[0]
+        if method.kind == "ar_greedy":
+            tokens = model.greedy(params, *encoded, width)
+            scores = jnp.zeros((batch,), jnp.float32)
+        else:
+            tokens, scores = model.beam(params, *encoded, width, method.beam_size,
+                                        method.length_penalty)
         return {"tokens": tokens, "scores": scores, "passes": jnp.zeros((batch,), jnp.int32)}
-    common = dict(num_length_candidates=method.num_length_candidates,
-                  length_offsets=tuple(method.length_offsets), max_len=max_len)
     if method.kind == "padir":
-        result = decoding.refine(model, params, source, max_iterations=method.iterations,
-                                 init=method.init, rng=rng if method.init == "random" else None,
-                                 **common)
+        result = decoding.refine(model, params, encoded, width=width,
+                                 max_iterations=method.iterations, init=method.init,
+                                 rng=rng if method.init == "random" else None)
     elif method.kind == "mask_predict":
-        result = decoding.mask_predict(model, params, source, iterations=method.iterations,
-                                       **common)
+        result = decoding.mask_predict(model, params, encoded, width=width,
+                                       iterations=method.iterations)
     else:
-        result = decoding.adaptive(model, params, source, tokens_per_step=method.tokens_per_step,
-                                   criterion=method.criterion, **common)
+        result = decoding.adaptive(model, params, encoded, width=width,
+                                   tokens_per_step=method.tokens_per_step,
+                                   criterion=method.criterion)
     return {"tokens": result.tokens, "scores": result.scores, "passes": result.passes}
 
 
@@ -244,14 +265,19 @@ class Translator:
             raise ValueError(f"bucket {self.boundaries[-1]} is wider than the model's "
                              f"max_source_len/max_target_len")
         self._rng = jax.random.key(seed)
-        self._warm: set[tuple[int, int]] = set()
+        self._warm: set[tuple[int, int, int]] = set()  # (S, cap, width) compiled
         trace_key = (loaded.uri, method.name, batch_size)
 
-        def traced(params, source, rng, *, max_len):
+        def encode(params, source, *, max_len):
             TRACES[trace_key] += 1  # a Python side effect: runs once per trace
-            return _decode_batch(loaded.model, method, params, source, rng, max_len=max_len)
+            return _encode_batch(loaded.model, method, params, source, max_len=max_len)
 
-        self._jit_decode = jax.jit(traced, static_argnames=("max_len",))
+        def search(params, encoded, rng, *, width):
+            WIDTH_TRACES[trace_key + (width,)] += 1
+            return _search_batch(loaded.model, method, params, encoded, rng, width=width)
+
+        self._jit_encode = jax.jit(encode, static_argnames=("max_len",))
+        self._jit_search = jax.jit(search, static_argnames=("width",))
 
     def translate(self, sources: Sequence[str]) -> list[Translation]:
         """Translations of `sources`, in order, decoded `batch_size` at a time."""
@@ -267,17 +293,17 @@ class Translator:
         pieces = self.loaded.tokenizer.encode(list(sources))
         rows = [ids[:widest - 1] + [EOS_ID] for ids in pieces]
         longest = max(len(row) for row in rows)
-        width, max_len = bucket(longest, self.boundaries), output_width(longest, self.boundaries)
-        source = np.full((self.batch_size, width), PAD_ID, np.int32)
+        source_width = bucket(longest, self.boundaries)
+        max_len = output_width(longest, self.boundaries)
+        source = np.full((self.batch_size, source_width), PAD_ID, np.int32)
         for i in range(self.batch_size):
             row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence
             source[i, :len(row)] = row
-        if (width, max_len) not in self._warm:  # compile outside the timed call
-            jax.block_until_ready(self._call(source, max_len))
-            self._warm.add((width, max_len))
-        started = time.perf_counter()
-        output = jax.block_until_ready(self._call(source, max_len))
-        seconds = time.perf_counter() - started
+        timed = self._call(source, max_len)
+        if (source_width, max_len, timed[-1]) not in self._warm:  # it compiled: run again
+            self._warm.add((source_width, max_len, timed[-1]))
+            timed = self._call(source, max_len)
+        output, seconds, encode_seconds, search_seconds, decoded_width = timed
         output = jax.device_get(output)
         translations = []
         for i, row in enumerate(rows):
@@ -292,12 +318,29 @@ class Translator:
                 truncated=len(pieces[i]) + 1 > widest,
                 latency_s=seconds / len(rows),
                 batch_seconds=seconds,
+                encode_seconds=encode_seconds,
+                search_seconds=search_seconds,
+                width=decoded_width,
                 batch_size=len(rows),
             ))
         return translations
 
-    def _call(self, source: np.ndarray, max_len: int) -> dict[str, jax.Array]:
-        return self._jit_decode(self.loaded.params, source, self._rng, max_len=max_len)
+    def _call(self, source: np.ndarray, max_len: int
+              ) -> tuple[dict[str, jax.Array], float, float, float, int]:
+        """Both calls, timed: (output, seconds, encode seconds, search seconds, width)."""
+        started = time.perf_counter()
+        encoded = jax.block_until_ready(
+            self._jit_encode(self.loaded.params, source, max_len=max_len))
+        encoded_at = time.perf_counter()
+        if self.method.stage == "teacher":
+            width = max_len
+        else:
+            width = decoding.output_width(encoded.lengths, max_len)
+        chosen_at = time.perf_counter()
+        output = jax.block_until_ready(
+            self._jit_search(self.loaded.params, encoded, self._rng, width=width))
+        done = time.perf_counter()
+        return output, done - started, encoded_at - started, done - chosen_at, width
 
 
 def translate_lines(uri: str, method: DecodeMethod, lines: Iterable[str], *,

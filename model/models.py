@@ -25,7 +25,7 @@ All methods are pure and jit-able (static shapes); jit them at the call site, wi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -188,8 +188,14 @@ class ARModel(_BaseModel):
     def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
         """Greedy decoding. Returns int32[B, T] (T = target width, else max_target_len):
         ids up to and including EOS, then 0."""
-        max_len = _output_length(self.config, batch)
         encoded, memory_mask = self.encode(params, batch["source"])
+        return self.greedy(params, encoded, memory_mask, _output_length(self.config, batch))
+
+    def greedy(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int
+    ) -> jax.Array:
+        """Greedy decoding of an encoded batch (`predict_batch` after `encode`); the loop
+        stops when every row has emitted EOS. Returns int32[B, max_len]."""
         cache = self.init_cache(params, encoded, memory_mask, max_len)
         return search.greedy_search(
             self.make_tokens_to_logits(params, encoded, memory_mask),
@@ -206,8 +212,15 @@ class ARModel(_BaseModel):
         Returns the best hypothesis int32[B, T] and its length-penalised log-probability
         float32[B]. `beam_size` must be static under jit.
         """
-        max_len = _output_length(self.config, batch)
         encoded, memory_mask = self.encode(params, batch["source"])
+        return self.beam(params, encoded, memory_mask, _output_length(self.config, batch),
+                         beam_size, length_penalty)
+
+    def beam(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int,
+        beam_size: int, length_penalty: float = 0.6,
+    ) -> tuple[jax.Array, jax.Array]:
+        """`beam_search` of an encoded batch: (int32[B, max_len], float32[B])."""
         batch_size = encoded.shape[0]
         # Row b * K + k is beam k of example b.
         encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
@@ -316,11 +329,28 @@ class PaDIRModel(_BaseModel):
         )
         return mask_non_target_ids(logits)
 
-    def make_logits_fn(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array
-    ) -> Callable[[jax.Array], jax.Array]:
-        """`decode_logits` with the encoder output bound: hypothesis -> logits."""
-        return lambda hypothesis: self.decode_logits(params, encoded, memory_mask, hypothesis)
+    def decoder_memory(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, valid: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """What every decoding pass over these rows reuses: the encoder output, its mask and
+        the hypothesis's non-pad positions valid bool[N, T] (fixed across passes). Passed
+        into the loop as constants, they make every term that depends on them alone (cross-
+        attention keys/values, masks, positional attention weights) loop-invariant, so XLA
+        computes it once before the first pass (`pass_logits`)."""
+        return encoded, memory_mask, valid
+
+    def pass_logits(
+        self, params: Params, memory: tuple[jax.Array, jax.Array, jax.Array],
+        hypothesis: jax.Array,
+    ) -> jax.Array:
+        """One decoding pass over `decoder_memory`'s rows: hypothesis int32[N, T] ->
+        logits float32[N, T, V], non-target ids masked (as `decode_logits`)."""
+        encoded, memory_mask, valid = memory
+        logits = self.module.apply(
+            {"params": params}, encoded, memory_mask, hypothesis, True, valid,
+            method=PaDIRTransformer.decode,
+        )
+        return mask_non_target_ids(logits)
 
     def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
         """One pass from an all-[MASK] input of the predicted length.

@@ -224,8 +224,13 @@ class NARDecoder(nn.Module):
         memory_mask: jax.Array,
         hypothesis: jax.Array,
         deterministic: bool,
+        valid: jax.Array | None = None,
     ) -> jax.Array:
-        """encoded: [B, S, D]; memory_mask: bool[B, S]; hypothesis: int32[B, T] (0 = pad).
+        """encoded: [B, S, D]; memory_mask: bool[B, S]; hypothesis: int32[B, T] (0 = pad);
+        valid: bool[B, T], the non-pad positions (default: computed from `hypothesis`).
+        Decoding passes `valid` from outside its loop: then the masks, the positional
+        attention weights and the cross-attention keys/values depend on loop constants
+        only, and XLA computes them once, before the first pass.
 
         Returns logits float32[B, T, V] for the target at every position.
         """
@@ -233,7 +238,8 @@ class NARDecoder(nn.Module):
         batch, length = hypothesis.shape
         if length > cfg.max_target_len:
             raise ValueError(f"target length {length} > max_target_len {cfg.max_target_len}")
-        valid = hypothesis != PAD_ID  # [B, T]
+        if valid is None:
+            valid = hypothesis != PAD_ID  # [B, T]
         table = _position_table(self, cfg.max_target_len, cfg.d_model)[:length]
         positions = jnp.broadcast_to(table.astype(cfg.dtype), (batch, length, cfg.d_model))
         x = self.shared_embedding(hypothesis) + positions  # [B, T, D]
@@ -361,9 +367,11 @@ class PaDIRTransformer(nn.Module):
         memory_mask: jax.Array,
         hypothesis: jax.Array,
         deterministic: bool = True,
+        valid: jax.Array | None = None,
     ) -> jax.Array:
-        """One refinement pass. hypothesis: int32[B, T]. Returns logits float32[B, T, V]."""
-        return self.decoder(encoded, memory_mask, hypothesis, deterministic)
+        """One refinement pass. hypothesis: int32[B, T]; valid: as `NARDecoder`.
+        Returns logits float32[B, T, V]."""
+        return self.decoder(encoded, memory_mask, hypothesis, deterministic, valid)
 
     def __call__(self, source: jax.Array, hypothesis: jax.Array, deterministic: bool = True):
         """Returns (token logits float32[B, T, V], length logits float32[B, max_target_len])."""

@@ -2,7 +2,9 @@
 PaDIR model checks that every decoder emits valid sequences."""
 
 import dataclasses
+import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model import decoding
 from model.models import PaDIRModel, masked_hypothesis
+from model.transformer import mask_non_target_ids
 
 VOCAB = 40
 FIRST_REAL = 6
@@ -50,11 +53,15 @@ class CopyOracle:
         lengths = jnp.sum(encoded["reference"] != PAD_ID, axis=1)  # counting EOS
         return 10.0 * jax.nn.one_hot(lengths - 1, self.config.max_target_len)
 
-    def decode_logits(self, params, encoded, memory_mask, hypothesis):
-        reference = encoded["reference"]  # [N, T]
+    def decoder_memory(self, params, encoded, memory_mask, valid):
+        return {"reference": encoded["reference"][:, :valid.shape[1]],
+                "restless": encoded["restless"]}
+
+    def pass_logits(self, params, memory, hypothesis):
+        reference = memory["reference"]  # [N, T]
         shifted = FIRST_REAL + (reference - FIRST_REAL + 1) % (VOCAB - FIRST_REAL)
         shifted = jnp.where(reference >= FIRST_REAL, shifted, reference)
-        flip = encoded["restless"][:, None] & (hypothesis[:, :1] == reference[:, :1])
+        flip = memory["restless"][:, None] & (hypothesis[:, :1] == reference[:, :1])
         return 20.0 * jax.nn.one_hot(jnp.where(flip, shifted, reference), VOCAB)
 
 
@@ -64,6 +71,23 @@ REFERENCE = _rows([7, 8], [9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19, 20])  # 
 
 def _calm(batch_size):
     return {"restless": jnp.zeros((batch_size,), bool)}
+
+
+def _decode(decoder, model, params, source, *, num_length_candidates, length_offsets,
+            width=None, **options):
+    """Both calls, as the Translator makes them; `width` defaults to the lengths' width."""
+    max_len = model.config.max_target_len
+    candidates = decoding.predict_candidates(
+        model, params, source, num_length_candidates=num_length_candidates,
+        length_offsets=length_offsets, max_len=max_len)
+    width = width or decoding.output_width(candidates.lengths, max_len)
+    return decoder(model, params, candidates, width=width, **options)
+
+
+def _oracle_logits_fn(params, source, width):
+    encoded, _ = ORACLE.encode(params, source)
+    memory = ORACLE.decoder_memory(params, encoded, None, jnp.ones((1, width), bool))
+    return lambda hypothesis: ORACLE.pass_logits(params, memory, hypothesis)
 
 
 def _assert_valid(tokens, lengths):
@@ -99,28 +123,27 @@ def test_accept_predictions_rejects_reserved_and_remasks_stutter():
 
 
 @pytest.mark.parametrize("init", ["mask", "random"])
-def test_refine_with_an_oracle_converges_in_one_pass(init):
-    result = decoding.refine(
-        ORACLE, _calm(3), REFERENCE, num_length_candidates=1, length_offsets=(-1, 0, 1),
-        max_iterations=4, init=init, rng=jax.random.key(0))
+def test_refine_with_an_oracle_converges_after_one_pass_and_one_confirming_pass(init):
+    result = _decode(
+        decoding.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+        length_offsets=(-1, 0, 1), max_iterations=4, init=init, rng=jax.random.key(0))
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.lengths, [3, 6, 8])
-    np.testing.assert_array_equal(result.passes, [1, 1, 1])
+    np.testing.assert_array_equal(result.passes, [2, 2, 2])  # every pass that ran
     assert result.tokens.dtype == jnp.int32 and result.passes.dtype == jnp.int32
     np.testing.assert_allclose(result.scores, 0.0, atol=1e-4)
 
 
 def test_refine_stops_counting_a_converged_row_while_others_go_on():
     params = {"restless": jnp.array([False, True])}
-    result = decoding.refine(
-        ORACLE, params, REFERENCE[:2], num_length_candidates=1, length_offsets=(0,),
-        max_iterations=5)
-    np.testing.assert_array_equal(result.passes, [1, 5])
+    result = _decode(
+        decoding.refine, ORACLE, params, REFERENCE[:2], num_length_candidates=1,
+        length_offsets=(0,), max_iterations=5)
+    np.testing.assert_array_equal(result.passes, [2, 5])
     np.testing.assert_array_equal(result.tokens[0], REFERENCE[0])
     _assert_valid(result.tokens, result.lengths)
     # The loop state: row 0 converged (and froze), row 1 ran out of iterations.
-    logits_fn = lambda h: ORACLE.decode_logits(  # noqa: E731
-        params, ORACLE.encode(params, REFERENCE[:2])[0], None, h)
+    logits_fn = _oracle_logits_fn(params, REFERENCE[:2], MAX_LEN)
     lengths = jnp.array([3, 6])
     initial = masked_hypothesis(lengths, MAX_LEN)
     state = decoding.refine_loop(logits_fn, initial, lengths, 5)
@@ -140,14 +163,14 @@ def test_refine_remasks_stutter_and_rejected_predictions():
         state.hypothesis, [[7, 8, MASK_ID, MASK_ID, 9, EOS_ID, 0, 0]])
     # Output: the best real piece where the prediction was not accepted.
     np.testing.assert_array_equal(state.tokens, [[7, 8, 8, 12, 9, EOS_ID, 0, 0]])
-    assert bool(state.converged[0]) and int(state.passes[0]) == 1 and int(state.step) == 2
+    assert bool(state.converged[0]) and int(state.passes[0]) == 2 and int(state.step) == 2
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_mask_predict_uses_t_passes(iterations):
-    result = decoding.mask_predict(
-        ORACLE, _calm(3), REFERENCE, num_length_candidates=2, length_offsets=(0, 1),
-        iterations=iterations)
+    result = _decode(
+        decoding.mask_predict, ORACLE, _calm(3), REFERENCE, num_length_candidates=2,
+        length_offsets=(0, 1), iterations=iterations)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.passes, [iterations] * 3)
     np.testing.assert_array_equal(result.lengths, [3, 6, 8])
@@ -166,9 +189,9 @@ def test_lowest_ranked_selects_per_row_counts_among_candidates():
 @pytest.mark.parametrize("criterion", ["top_prob", "margin"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_adaptive_unmasks_k_per_pass(criterion, k):
-    result = decoding.adaptive(
-        ORACLE, _calm(3), REFERENCE, num_length_candidates=1, length_offsets=(0,),
-        tokens_per_step=k, criterion=criterion)
+    result = _decode(
+        decoding.adaptive, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+        length_offsets=(0,), tokens_per_step=k, criterion=criterion)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.passes, [math.ceil(n / k) for n in (2, 5, 7)])
 
@@ -188,9 +211,9 @@ def test_certainty_criteria_disagree_where_they_should():
 def test_refine_traces_once_per_shape_and_settings():
     def run(source):
         # A fresh but equal model object each time: static arguments hash by value.
-        return decoding.refine(
-            CopyOracle(), _calm(3), source, num_length_candidates=1, length_offsets=(0, 1),
-            max_iterations=3)
+        return _decode(
+            decoding.refine, CopyOracle(), _calm(3), source, num_length_candidates=1,
+            length_offsets=(0, 1), max_iterations=3)
 
     run(REFERENCE)
     before = decoding.refine._cache_size()
@@ -200,11 +223,11 @@ def test_refine_traces_once_per_shape_and_settings():
 
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="rng"):
-        decoding.refine(ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
-                        length_offsets=(0,), max_iterations=2, init="random")
+        _decode(decoding.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+                length_offsets=(0,), max_iterations=2, init="random")
     with pytest.raises(ValueError, match="num_length_candidates"):
-        decoding.mask_predict(ORACLE, _calm(3), REFERENCE, num_length_candidates=8,
-                              length_offsets=(0,), iterations=2)
+        decoding.predict_candidates(ORACLE, _calm(3), REFERENCE, num_length_candidates=8,
+                                    length_offsets=(0,))
 
 
 # --- a tiny trained model -------------------------------------------------------------
@@ -259,16 +282,18 @@ def trained():
 
 
 DECODERS = {
-    "refine_mask": lambda m, p, s: decoding.refine(
-        m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1), max_iterations=4),
-    "refine_random": lambda m, p, s: decoding.refine(
-        m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1), max_iterations=4,
-        init="random", rng=jax.random.key(3)),
-    "mask_predict": lambda m, p, s: decoding.mask_predict(
-        m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1), iterations=3),
-    "adaptive": lambda m, p, s: decoding.adaptive(
-        m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1), tokens_per_step=2,
-        criterion="margin"),
+    "refine_mask": lambda m, p, s: _decode(
+        decoding.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        max_iterations=4),
+    "refine_random": lambda m, p, s: _decode(
+        decoding.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        max_iterations=4, init="random", rng=jax.random.key(3)),
+    "mask_predict": lambda m, p, s: _decode(
+        decoding.mask_predict, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        iterations=3),
+    "adaptive": lambda m, p, s: _decode(
+        decoding.adaptive, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        tokens_per_step=2, criterion="margin"),
 }
 
 
@@ -285,3 +310,118 @@ def test_decoders_on_a_trained_model_emit_valid_sequences(trained, name):
     # The memorised pairs come back (nearly) verbatim.
     accuracy = np.mean(np.asarray(result.tokens) == np.asarray(BATCH["target"]))
     assert accuracy >= 0.75, (name, accuracy, result.tokens)
+
+
+# --- width from the predicted lengths ----------------------------------------------------
+
+WIDE = dataclasses.replace(CONFIG, max_source_len=25, max_target_len=24)
+
+
+def _wide_rows(*lengths):
+    """Rows of real pieces + EOS of the given lengths (counting EOS), 24 wide."""
+    out = np.zeros((len(lengths), 24), np.int32)
+    for i, n in enumerate(lengths):
+        out[i, :n - 1] = FIRST_REAL + (np.arange(n - 1) * 7 + i) % (VOCAB - FIRST_REAL)
+        out[i, n - 1] = EOS_ID
+    return jnp.asarray(out)
+
+
+def test_output_width_is_the_longest_candidate_on_a_ladder_of_8():
+    assert decoding.output_width(np.array([[3, 4], [9, 2]]), 64) == 16
+    assert decoding.output_width(np.array([[8]]), 64) == 8
+    assert decoding.output_width(np.array([[17]]), 20) == 20  # never past the cap
+
+
+ALL_DECODERS = {
+    "refine": (decoding.refine, dict(max_iterations=3)),
+    "mask_predict": (decoding.mask_predict, dict(iterations=2)),
+    "adaptive": (decoding.adaptive, dict(tokens_per_step=2, criterion="margin")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_DECODERS))
+def test_width_from_lengths_decodes_the_tokens_of_max_width(name):
+    decoder, options = ALL_DECODERS[name]
+    model = CopyOracle(config=WIDE)
+    source = _wide_rows(4, 11, 6)  # width 16 of 24
+    params = {"restless": jnp.array([False, True, False])}
+    common = dict(num_length_candidates=1, length_offsets=(-1, 0), **options)
+    narrow = _decode(decoder, model, params, source, **common)
+    wide = _decode(decoder, model, params, source, width=24, **common)
+    assert narrow.tokens.shape == (3, 16)
+    np.testing.assert_array_equal(narrow.tokens, wide.tokens[:, :16])
+    assert np.all(np.asarray(wide.tokens[:, 16:]) == PAD_ID)
+    np.testing.assert_array_equal(narrow.passes, wide.passes)
+    np.testing.assert_array_equal(narrow.lengths, wide.lengths)
+    np.testing.assert_allclose(narrow.scores, wide.scores, atol=1e-6)
+
+
+def test_each_width_compiles_once():
+    model = CopyOracle(config=WIDE)
+    params = _calm(2)
+    run = functools.partial(_decode, decoding.refine, model, params, num_length_candidates=1,
+                            length_offsets=(0,), max_iterations=2)
+    run(_wide_rows(3, 5))  # width 8
+    before = decoding.refine._cache_size()
+    for lengths, width in (((3, 12), 16), ((20, 2), 24), ((4, 7), 8), ((9, 16), 16)):
+        source = _wide_rows(*lengths)
+        result = run(source)
+        assert result.tokens.shape[1] == width
+        np.testing.assert_array_equal(result.tokens, source[:, :width])
+    assert decoding.refine._cache_size() - before == 2  # widths 16 and 24, once each
+
+
+def test_read_logits_gives_the_tokens_and_scores_of_a_full_log_softmax():
+    logits = jax.random.normal(jax.random.key(0), (3, 5, VOCAB)) * 3.0
+    logits = logits.at[0, 0, EOS_ID].set(20.0).at[0, 1, 2].set(20.0)  # EOS, UNK win
+    logits = logits.at[1, 0, [EOS_ID, 9]].set(15.0)  # a tie: the lower id wins
+    reading = decoding.read_logits(logits)
+    log_probs = jax.nn.log_softmax(mask_non_target_ids(logits), axis=-1)
+    np.testing.assert_array_equal(reading.prediction, jnp.argmax(log_probs, axis=-1))
+    assert int(reading.prediction[0, 0]) == EOS_ID and int(reading.prediction[1, 0]) == EOS_ID
+    best_real = jnp.argmax(log_probs[..., NUM_RESERVED:], axis=-1) + NUM_RESERVED
+    np.testing.assert_array_equal(reading.best_real, best_real)
+    np.testing.assert_allclose(
+        reading.best_real_log_prob,
+        jnp.take_along_axis(log_probs, best_real[..., None], axis=-1)[..., 0], atol=1e-5)
+    np.testing.assert_allclose(reading.eos_log_prob, log_probs[..., EOS_ID], atol=1e-5)
+
+
+def _loop_body_ops(compiled_text: str, op: str) -> int:
+    """How many `op` instructions (e.g. "dot") XLA runs inside the (only) while loop of a
+    compiled computation."""
+    computations, current = {}, None
+    for line in compiled_text.split("\n"):
+        header = re.match(r"^(?:ENTRY )?(%[\w.\-]+) \(", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(line)
+
+    def dots(name, seen):
+        count = 0
+        for line in computations.get(name, []):
+            count += f" {op}(" in line
+            for called in re.findall(r"(?:calls|body|condition|to_apply)=(%[\w.\-]+)", line):
+                if called not in seen:
+                    seen.add(called)
+                    count += dots(called, seen)
+        return count
+
+    [body] = re.findall(r" while\(.*body=(%[\w.\-]+)", compiled_text)
+    return dots(body, set())
+
+
+def test_a_pass_recomputes_nothing_that_is_fixed_across_passes(trained):
+    """Cross-attention keys/values and the positional attention weights depend on the
+    encoder output and the (fixed) lengths only: XLA hoists them out of the loop."""
+    model, params, _ = trained
+    candidates = decoding.predict_candidates(
+        model, params, BATCH["source"], num_length_candidates=1, length_offsets=(0,))
+    compiled = decoding.refine.lower(
+        model, params, candidates, width=MAX_LEN, max_iterations=2).compile().as_text()
+    # Per layer: self-attention q, k, v, scores, mix, out (6); positional attention v, mix,
+    # out (3); cross-attention q, scores, mix, out (4); MLP (2). Then the output projection.
+    assert _loop_body_ops(compiled, "dot") == 15 * CONFIG.num_decoder_layers + 1
+    # Softmaxes: self- and cross-attention per layer, then the one exp-sum over the vocabulary.
+    assert _loop_body_ops(compiled, "exponential") == 2 * CONFIG.num_decoder_layers + 1
