@@ -11,6 +11,7 @@ from typing import Sequence
 from components import artifacts, logs
 from components import config as config_lib
 from components.corpus import CorpusError
+from flows import local_api
 
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
@@ -94,20 +95,16 @@ def _add_pipeline_commands(commands) -> None:
     _add_config_args(report)
 
 
-def _use_ephemeral_prefect() -> None:
-    """Without PREFECT_API_URL, `padir run` starts a temporary local Prefect API (SQLite in
-    PREFECT_HOME): no server to run, nothing sent off the machine. Set before Prefect loads."""
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_ENABLED", "true")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
-
 def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
     from flows import plan
 
     selection = dict(from_stage=args.from_stage, only=args.only, force=args.force)
     plan.plan(config, **selection)  # a bad selection fails here, before Prefect starts
-    _use_ephemeral_prefect()
+    try:
+        local_api.ensure_api()
+    except local_api.PrefectUnavailable as e:
+        print(f"padir: error: {e}", file=sys.stderr)
+        return 2
     from flows import pipeline
 
     try:

@@ -8,6 +8,7 @@ for the whole session, started only if some selected test needs it).
 """
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -29,3 +30,34 @@ def prefect_harness():
     # Loaded 2-core CI machines take well over Prefect's default 30 s to start it.
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_workdir(tmp_path_factory):
+    """One workdir for every test on the tiny Multi30k experiment (tiny_experiment.py): the
+    artifacts whose keys agree (prepare and vocab everywhere) are computed once a session."""
+    return str(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """A JAX compilation cache shared by the child interpreters of the whole session."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`padir` entry points configure the root logger; no test leaks that into the next."""
+    from components import logs
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers), {h: list(h.filters) for h in root.handlers},
+             {name: logging.getLogger(name).level for name in logs.QUIET_LOGGERS})
+    yield
+    level, handlers, filters, quiet = saved
+    root.setLevel(level)
+    root.handlers[:] = handlers
+    for handler, kept in filters.items():
+        handler.filters[:] = kept
+    for name, quiet_level in quiet.items():
+        logging.getLogger(name).setLevel(quiet_level)

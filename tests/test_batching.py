@@ -6,9 +6,8 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from components import corpus, dag
-from flows import cli
 from pipelines import batching
-from tiny_experiment import publish_untrained, tiny_config
+from tiny_experiment import ensure, publish_untrained, tiny_config
 
 
 def test_batches_are_cut_shortest_first_then_by_id():
@@ -31,10 +30,9 @@ def test_decoder_shapes_are_those_the_translator_pads_to(boundaries):
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    config = tiny_config(str(tmp_path_factory.mktemp("batching")))
-    for stage in ("prepare", "vocab"):
-        cli.run_stage(stage, config)
+def config(tiny_workdir):
+    config = tiny_config(tiny_workdir, "encode.bucket_boundaries=[64]")  # test_distill's teacher
+    ensure(config, "prepare", "vocab")
     publish_untrained(config, "teacher")
     return config
 

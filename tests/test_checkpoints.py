@@ -25,11 +25,6 @@ from model import checkpoints, train
 STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax_cache"))
-
-
 def _train_cmd(workdir, *extra):
     return [sys.executable, toy.SCRIPT, "--workdir", str(workdir), *map(str, extra)]
 

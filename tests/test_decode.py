@@ -28,7 +28,7 @@ from flows import cli
 from model import inference
 from pipelines import decode
 from pipelines import inference as beam_inference
-from tiny_experiment import publish_untrained, tiny_config
+from tiny_experiment import ensure, publish_untrained, tiny_config
 
 METHODS = [  # every kind, each as cheap as it gets
     {"name": "greedy", "kind": "ar_greedy"},
@@ -43,15 +43,14 @@ BUCKETS = (16, 32, 64)  # the handler tests' buckets (the stage's config has one
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
+def config(tiny_workdir):
     config = tiny_config(
-        str(tmp_path_factory.mktemp("decode")), f"decode.methods={json.dumps(METHODS)}",
+        tiny_workdir, f"decode.methods={json.dumps(METHODS)}",
         f"decode.max_sentences={MAX_SENTENCES}", "decode.throughput_batch_size=4",
         f"decode.latency_sentences={LATENCY_SENTENCES}",
         # One bucket: one compiled shape per method and pass keeps the stage test quick.
         "encode.bucket_boundaries=[64]")
-    for stage in ("prepare", "vocab"):
-        cli.run_stage(stage, config)
+    ensure(config, "prepare", "vocab")
     for stage in ("teacher", "train"):
         publish_untrained(config, stage)
     return config
@@ -103,7 +102,7 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
     load_key, trace_key = (uri, "padir_2", 2), (uri, "padir_2", 2)
     loads, traces = beam_inference.LOADS[load_key], inference.TRACES[trace_key]
     restores = inference.RESTORES[uri]
-    with test_pipeline.TestPipeline() as p:
+    with test_pipeline.TestPipeline(runner="FnApiRunner") as p:
         results = (p
                    | beam.Create(list(enumerate(sources)))
                    | RunInference(KeyedModelHandler(handler))

@@ -9,20 +9,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model import decoding
-from model.models import PaDIRModel, masked_hypothesis
+from model.models import masked_hypothesis
 from model.transformer import mask_non_target_ids
-
-VOCAB = 40
-FIRST_REAL = 6
-MAX_LEN = 8
-CONFIG = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-                     mlp_dim=64, dropout_rate=0.0, max_source_len=9, max_target_len=MAX_LEN)
+from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB, memorised_padir
 
 
 def _rows(*sequences):
@@ -233,45 +227,10 @@ def test_arguments_are_validated():
 # --- a tiny trained model -------------------------------------------------------------
 
 
-def _pairs(count, seed=0):
-    rng = np.random.default_rng(seed)
-    source = np.zeros((count, MAX_LEN), np.int32)
-    target = np.zeros((count, MAX_LEN), np.int32)
-    for i in range(count):
-        n, m = rng.integers(2, 8), rng.integers(2, 7)
-        source[i, :n] = rng.integers(FIRST_REAL, VOCAB, n)
-        source[i, n] = EOS_ID
-        target[i, :m] = rng.integers(FIRST_REAL, VOCAB, m)
-        target[i, m] = EOS_ID
-    return {"source": jnp.asarray(source), "target": jnp.asarray(target)}
-
-
-BATCH = _pairs(4)
-
-
-def _train_tiny_model(steps=150):
-    """A PaDIR model that memorises BATCH (single-stage loss, Adam)."""
-    model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL, label_smoothing=0.0)
-    optimizer = optax.adam(3e-3)
-
-    @jax.jit
-    def train(params, rng):
-        def step(carry, step_rng):
-            params, opt_state = carry
-            grads = jax.grad(lambda p: model.loss_fn(p, BATCH, step_rng)[0])(params)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), None
-
-        carry = (params, optimizer.init(params))
-        return jax.lax.scan(step, carry, jax.random.split(rng, steps))[0][0]
-
-    return model, train(jax.jit(model.init)(jax.random.key(0), BATCH), jax.random.key(1))
-
-
 @pytest.fixture(scope="module")
 def trained():
     """(model, params, candidate lengths int[4, 6] of BATCH for k=2, offsets (-1, 0, 1))."""
-    model, params = _train_tiny_model()
+    model, params = memorised_padir()
 
     @jax.jit
     def candidates(params, source):

@@ -6,54 +6,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
 from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
-
-VOCAB = 40
-FIRST_REAL = 6
-CONFIG = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
-                     mlp_dim=64, dropout_rate=0.0, max_source_len=9, max_target_len=8)
-
-
-def _pairs(count: int, seed: int = 0) -> dict:
-    """Random pairs of real pieces + EOS; targets are 3 to 7 tokens long (with EOS)."""
-    rng = np.random.default_rng(seed)
-    source = np.zeros((count, 8), np.int32)
-    target = np.zeros((count, 8), np.int32)
-    for i in range(count):
-        n, m = rng.integers(2, 8), rng.integers(2, 7)
-        source[i, :n] = rng.integers(FIRST_REAL, VOCAB, n)
-        source[i, n] = EOS_ID
-        target[i, :m] = rng.integers(FIRST_REAL, VOCAB, m)
-        target[i, m] = EOS_ID
-    return {"source": jnp.asarray(source), "target": jnp.asarray(target)}
-
-
-BATCH = _pairs(4)
-
-
-def _train(model, params, steps, *, num_stages=1, learning_rate=3e-3):
-    optimizer = optax.adam(learning_rate)
-
-    @jax.jit
-    def train(params, rng):
-        def step(carry, step_rng):
-            params, opt_state = carry
-            def loss(p):
-                return model.loss_fn(p, BATCH, step_rng, num_stages=num_stages)[0]
-
-            grads = jax.grad(loss)(params)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), None
-
-        carry = (params, optimizer.init(params))
-        return jax.lax.scan(step, carry, jax.random.split(rng, steps))[0][0]
-
-    return train(params, jax.random.key(1))
+from tiny_models import BATCH, CONFIG, FIRST_REAL, VOCAB, memorised_padir, train
 
 
 def test_helpers():
@@ -82,15 +39,13 @@ def test_init_by_shape_and_logical_axes(model):
 @pytest.fixture(scope="module")
 def ar_trained():
     model = ARModel(CONFIG, VOCAB, label_smoothing=0.0)
-    params = _train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
+    params = train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
     return model, params
 
 
 @pytest.fixture(scope="module")
 def padir_trained():
-    model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL, label_smoothing=0.0)
-    params = _train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 300)
-    return model, params
+    return memorised_padir()
 
 
 def test_ar_overfits_and_decodes_its_targets(ar_trained):

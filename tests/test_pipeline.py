@@ -285,8 +285,7 @@ def test_manifests_and_the_report_become_prefect_artifacts(fake, fake_config):
 
 def test_padir_run_prints_the_outputs_and_padir_report_the_report(fake, fake_config,
                                                                   monkeypatch, capsys):
-    for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED", "PREFECT_SERVER_ANALYTICS_ENABLED",
-                 "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"):
+    for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED", "PREFECT_SERVER_ANALYTICS_ENABLED"):
         monkeypatch.delenv(name, raising=False)  # `padir run` sets them; restored afterwards
     config = config_lib.load(fake_config)
     assert cli.main(["run", fake_config]) == 0

@@ -98,7 +98,7 @@ for model, num_stages in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 
 """
 
 
-def test_sharded_train_step_matches_one_device(tmp_path):
-    proc = toy.run_python(SHARDED_VS_SINGLE, str(tmp_path / "cache"), devices=8)
+def test_sharded_train_step_matches_one_device(cache_dir):
+    proc = toy.run_python(SHARDED_VS_SINGLE, cache_dir, devices=8)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK ToyModel" in proc.stdout and "OK PaDIRModel" in proc.stdout
