@@ -318,12 +318,17 @@ class MeshConfig:
     """The device mesh (axes "data", "fsdp") for both training stages.
 
     `data: -1` takes all devices not used by `fsdp`. `distributed: true` calls
-    `jax.distributed.initialize()` first (multi-host TPU slices).
+    `jax.distributed.initialize()` first, one process per host: on a TPU slice JAX finds
+    the coordinator, process count and index itself; elsewhere (CPU hosts, a local test)
+    give them (`--set mesh.process_id=1` on the second host).
     """
 
     data: int = -1
     fsdp: int = 1
     distributed: bool = False
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_AXIS_RULES
 
     def __post_init__(self):
