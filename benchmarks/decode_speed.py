@@ -5,7 +5,10 @@ test set (Multi30k test2016 for configs/multi30k_en_de.yaml) with each method of
 config's `decode` section and prints, per method: sacreBLEU, chrF, mean decoder passes,
 latency per sentence at batch 1 (median, p99), batched throughput, and the speedups over
 AR greedy and AR beam search (components/report.py defines them), then the headline: the
-focus method (PaDIR at 4 iterations) against both.
+focus method (PaDIR at 4 iterations) against both, and where a sentence's time goes at
+batch 1 (medians): the encoder call (PaDIR: encoder + length head), the search (passes or
+AR steps), the host between the two (PaDIR: reading the lengths, choosing the width), the
+passes or steps, the cost of one, and the output width.
 
 Measurement: model/inference.py's Translator (jitted, static shapes; every shape is run
 once untimed before it is timed; the time is the jitted call until block_until_ready). The
@@ -20,6 +23,10 @@ with a note.
         [--config configs/multi30k_en_de.yaml] [--set k=v ...] [--max-sentences 20] \\
         [--methods ar_greedy,ar_beam4,padir_4] [--focus padir_4] [--batch-size 64] \\
         [--json report.json]
+
+Other models or settings through `--set`: `--set workdir=/elsewhere` reads the artifacts
+of another run of the config; `--set 'decode.methods=[{"name": "p", "kind": "padir",
+"length_offsets": [0]}, ...]'` measures other decoding settings on the same checkpoints.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -66,13 +74,13 @@ def _fmt(value, digits=2, suffix="") -> str:
 
 def print_table(entry: dict, focus: str) -> None:
     bases = list(entry["baselines"].values())
-    header = f"{'method':18} {'BLEU':>6} {'chrF':>6} {'passes':>6} {'med ms':>8} {'p99 ms':>8} " \
-             f"{'sent/s':>8}" + "".join(f"  {'vs ' + b + ' med/p99/thr':>26}" for b in bases)
+    header = f"{'method':18} {'BLEU':>6} {'chrF':>6} {'stut.':>6} {'passes':>6} " \
+             f"{'med ms':>8} {'p99 ms':>8} {'sent/s':>8}" + "".join(f"  {'vs ' + b + ' med/p99/thr':>26}" for b in bases)
     print(header)
     print("-" * len(header))
     for m in entry["methods"]:
         line = (f"{m['method']:18} {m['bleu']['score']:6.2f} {m['chrf']['score']:6.2f} "
-                f"{m['mean_passes']:6.1f} {1e3 * m['latency_s']['median']:8.2f} "
+                f"{m['stutter']['per_100_words']:6.2f} {m['mean_passes']:6.1f} {1e3 * m['latency_s']['median']:8.2f} "
                 f"{1e3 * m['latency_s']['p99']:8.2f} "
                 f"{_fmt(m['throughput'].get('sentences_per_s'), 1):>8}")
         for b in bases:
@@ -88,7 +96,29 @@ def print_table(entry: dict, focus: str) -> None:
             s = m["speedup"][f"vs_{b}"]
             print(f"  speedup over {b}: median {_fmt(s['median'], 2, 'x')}, "
                   f"p99 {_fmt(s['p99'], 2, 'x')}, throughput {_fmt(s['throughput'], 2, 'x')}")
-    print(f"\nsignature: {entry['methods'][0]['bleu']['signature']}")
+    print(f"\nsignature: {entry['methods'][0]['bleu']['signature']}; stut. = stutter per 100 "
+          "words")
+
+
+def print_breakdown(translations: dict[str, list]) -> None:
+    """Where a sentence's time goes at batch 1: medians over the sentences (model/inference.py
+    `Translation`); host = total - encode - search."""
+    header = f"{'method':18} {'total ms':>9} {'encode':>8} {'search':>8} {'host':>8} " \
+             f"{'passes':>7} {'ms/pass':>8} {'width':>6}"
+    print("\nbatch 1, medians (AR: passes = steps):")
+    print(header)
+    print("-" * len(header))
+    for name, done in translations.items():
+        def median(values):
+            return statistics.median(values)
+        line = (f"{name:18} {1e3 * median([t.batch_seconds for t in done]):9.2f} "
+                f"{1e3 * median([t.encode_seconds for t in done]):8.2f} "
+                f"{1e3 * median([t.search_seconds for t in done]):8.2f} "
+                f"{1e3 * median([t.batch_seconds - t.encode_seconds - t.search_seconds for t in done]):8.3f} "
+                f"{median([t.passes for t in done]):7.1f} "
+                f"{1e3 * median([t.search_seconds / max(t.passes, 1) for t in done]):8.3f} "
+                f"{median([t.width for t in done]):6.0f}")
+        print(line)
 
 
 def main(argv=None) -> int:
@@ -144,6 +174,7 @@ def main(argv=None) -> int:
     print(f"batched pass: {time.time() - started:.1f} s\n")
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)
+    print_breakdown(translations)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(content, f, indent=2, ensure_ascii=False)
