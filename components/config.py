@@ -4,9 +4,17 @@ Every stage reads a narrow, frozen section of it (`config.prepare`, `config.voca
 Defaults live here and nowhere else. Unknown keys and wrong types are errors that name
 the offending key. Parsing a config imports nothing heavy (no JAX, TF or Beam).
 
-`${VAR}` in string values is expanded from the environment when the file is loaded
-(e.g. `${PADIR_DATA_ROOT}`), so configs stay machine-independent while the resolved
-config written next to every artifact records the real paths.
+`${VAR}` in string values is read from the environment (e.g. `${PADIR_DATA_ROOT}`), so
+configs stay machine-independent. A missing variable is an error at load, naming the key.
+Corpus locations (`CorpusConfig`) keep the placeholder: a URL may carry an access token,
+and the config is written next to every artifact, into manifests, logs and Prefect; they
+are expanded (`expand_env`) only where a file is opened. Artifact keys hash the
+placeholder, so they do not change with the machine or a rotated token. Every other
+string is expanded when the file is loaded.
+
+Errors in the file (YAML syntax, an `include:` loop, a missing file, a `!!python` tag, a
+bad `--set`) are `ConfigError`s of one line that name the file, line or key; a value is
+shown cut to a few dozen characters, never whole.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Optional, Sequence
@@ -125,12 +134,22 @@ class PrepareConfig:
     min_chars_for_ratio: int = 10  # the ratio test skips pairs whose shorter side is tiny
     deduplicate: bool = True
     num_shards: int = 4  # train shards; dev and test sets are written as one file each
+    # A longer line is rejected as `oversized` and read no further (bounded memory), in
+    # every split: a file with CR-only endings or no newline is one giant line.
+    max_line_bytes: int = 1 << 16
+    # The stage fails, publishing nothing, when more of the train pairs read than this are
+    # rejected for bad input (duplicates do not count): a wrong encoding or a wrong file.
+    max_reject_fraction: float = 0.5
 
     def __post_init__(self):
-        if self.max_chars < 1 or self.min_chars_for_ratio < 1 or self.num_shards < 1:
-            raise ConfigError("prepare.max_chars, min_chars_for_ratio and num_shards must be >= 1")
+        if min(self.max_chars, self.min_chars_for_ratio, self.num_shards,
+               self.max_line_bytes) < 1:
+            raise ConfigError("prepare.max_chars, min_chars_for_ratio, num_shards and "
+                              "max_line_bytes must be >= 1")
         if self.max_length_ratio < 1.0:
             raise ConfigError("prepare.max_length_ratio: expected a number >= 1")
+        if not 0.0 <= self.max_reject_fraction <= 1.0:
+            raise ConfigError("prepare.max_reject_fraction: expected a fraction in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,19 +585,34 @@ def to_dict(value: Any) -> Any:
 
 
 _ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# Sections whose strings keep their `${VAR}` placeholders (see the module docstring).
+KEEP_PLACEHOLDERS = (CorpusConfig,)
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
 
 
-def _expand_env(text: str, where: str) -> str:
+def _short(value: Any) -> str:
+    """A bounded repr: an error never echoes a whole value (a YAML alias bomb expands)."""
+    return f"{type(value).__name__} {_SHORT.repr(value)}"
+
+
+def expand_env(text: str, where: str = "") -> str:
+    """`text` with every `${VAR}` replaced from the environment.
+
+    Raises:
+      ConfigError: a variable is not set (named, with `where`).
+    """
     def substitute(match: re.Match) -> str:
         name = match.group(1)
         if name not in os.environ:
-            raise ConfigError(f"{where}: environment variable {name} is not set")
+            raise ConfigError(f"{where or text}: environment variable {name} is not set")
         return os.environ[name]
 
     return _ENV_VAR.sub(substitute, text)
 
 
-def _convert(value: Any, annotation: Any, where: str) -> Any:
+def _convert(value: Any, annotation: Any, where: str, expand: bool = True) -> Any:
     """Checks `value` against a type annotation and converts it (lists to tuples, ...)."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
@@ -586,39 +620,42 @@ def _convert(value: Any, annotation: Any, where: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _convert(value, inner[0], where)
+        return _convert(value, inner[0], where, expand)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
+            raise ConfigError(f"{where}: expected one of {list(args)}, got {_short(value)}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_short(value)}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+            return tuple(_convert(v, args[0], f"{where}[{i}]", expand)
+                         for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_convert(v, a, f"{where}[{i}]", expand)
+                     for i, (v, a) in enumerate(zip(value, args)))
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {_short(value)}")
         return from_dict(annotation, value, where)
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_short(value)}")
         return float(value)
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_short(value)}")
         return value
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{where}: expected true/false, got {_short(value)}")
         return value
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
-        return _expand_env(value, where)
+            raise ConfigError(f"{where}: expected a string, got {_short(value)}")
+        expanded = expand_env(value, where)  # also checks every variable is set
+        return expanded if expand else value
     raise TypeError(f"{where}: unsupported annotation {annotation!r}")
 
 
@@ -629,11 +666,13 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     for key in data:
         if key not in names:
             path = f"{where}.{key}" if where else str(key)
-            raise ConfigError(f"unknown config key '{path}' (valid here: {sorted(names)})")
+            raise ConfigError(f"unknown config key '{_SHORT.repr(path)[1:-1]}' "
+                              f"(valid here: {sorted(names)})")
     kwargs = {}
+    expand = cls not in KEEP_PLACEHOLDERS
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        kwargs[key] = _convert(value, hints[key], path)
+        kwargs[key] = _convert(value, hints[key], path, expand)
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -656,30 +695,61 @@ def _set_path(data: dict, dotted: str, value: Any) -> None:
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=c` -> ("a.b", c), with c parsed as YAML (so numbers, lists, null work)."""
     if "=" not in text:
-        raise ConfigError(f"--set expects key=value, got {text!r}")
+        raise ConfigError(f"--set expects key=value, got {_SHORT.repr(text)}")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"--set {key.strip()}: the value is not valid YAML ({problem}); "
+                          "quote it to pass a string") from e
 
 
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
     """Reads a YAML config (with `include:` of a base file) and applies `--set` overrides."""
-    data = _read_yaml(path)
+    data = _read_yaml(path, ())
     for text in overrides:
         key, value = parse_override(text)
         _set_path(data, key, value)
     return from_dict(Config, data)
 
 
-def _read_yaml(path: str) -> dict:
-    """A YAML mapping; `include: base.yaml` (relative to this file) is merged underneath."""
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+def _parse_yaml(path: str) -> Any:
+    """The YAML document at `path`; any reading or parsing problem is one ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: no such config file") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from e
+    except yaml.MarkedYAMLError as e:  # syntax errors, and tags such as !!python/object
+        mark = e.problem_mark or e.context_mark
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{at}: invalid YAML: {e.problem or e.context}") from e
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid YAML: {type(e).__name__}") from e
+
+
+def _read_yaml(path: str, including: tuple[str, ...]) -> dict:
+    """A YAML mapping; `include: base.yaml` (relative to this file) is merged underneath.
+
+    Args:
+      including: the real paths of the files that include this one (an include loop).
+    """
+    real = os.path.realpath(path)
+    if real in including:
+        chain = " -> ".join(os.path.relpath(p) for p in (*including, real))
+        raise ConfigError(f"{path}: include loop: {chain}")
+    data = _parse_yaml(path) or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {_short(data)}")
     base = data.pop("include", None)
     if base is None:
         return data
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base))
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: include: expected a file name, got {_short(base)}")
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*including, real))
     _merge(merged, data)
     return merged
 
@@ -693,5 +763,14 @@ def _merge(base: dict, overlay: dict) -> None:
 
 
 def dump(config: Config) -> str:
-    """The resolved config as YAML (written next to every artifact)."""
+    """The resolved config as YAML (written next to every artifact), corpus locations with
+    their `${VAR}` placeholders."""
     return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def summary(config: Config, sections: Sequence[str]) -> str:
+    """One line naming a stage's sections and their hashes (the log line of a stage; the
+    whole config belongs at DEBUG), e.g. `prepare 1a2b3c4d5e6f, seed 0`."""
+    return ", ".join(
+        f"{name} {getattr(config, name)}" if isinstance(getattr(config, name), (int, str))
+        else f"{name} {config.section_hash(name)}" for name in sections)

@@ -1,5 +1,6 @@
 """components/config.py: the typed schema, overrides, includes, env vars, section hashes."""
 
+import json
 import os
 
 import pytest
@@ -85,13 +86,30 @@ def test_set_needs_key_and_value(tmp_path):
         _load(tmp_path, overrides=["workdir.x=1"])
 
 
-def test_env_vars_are_expanded(tmp_path, monkeypatch):
-    monkeypatch.setenv("PADIR_DATA_ROOT", "/data/root")
-    data = {"data": {"train": {"source": "${PADIR_DATA_ROOT}/train.en.gz",
+def test_corpus_locations_keep_their_placeholders_and_other_strings_are_expanded(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("PADIR_DATA_ROOT", "https://user:s3cret@host/data")
+    monkeypatch.setenv("PADIR_WORK", str(tmp_path / "w"))
+    data = {"workdir": "${PADIR_WORK}",
+            "data": {"train": {"source": "${PADIR_DATA_ROOT}/train.en.gz",
                                "target": "${PADIR_DATA_ROOT}/train.de.gz"}}}
     config = _load(tmp_path, data)
-    assert config.data.train.source == "/data/root/train.en.gz"
-    assert "/data/root/train.de.gz" in config_lib.dump(config)  # the resolved config
+    assert config.workdir == str(tmp_path / "w")
+    assert config.data.train.source == "${PADIR_DATA_ROOT}/train.en.gz"
+    assert config_lib.expand_env(config.data.train.source) == \
+        "https://user:s3cret@host/data/train.en.gz"
+    written = config_lib.dump(config) + json.dumps(dag.section_values(config, "prepare"))
+    assert "s3cret" not in written and "${PADIR_DATA_ROOT}/train.de.gz" in written
+    # The key hashes the placeholder: a rotated token or another data root changes nothing.
+    monkeypatch.setenv("PADIR_DATA_ROOT", "/elsewhere")
+    assert dag.stage_key(_load(tmp_path, data), "prepare") == dag.stage_key(config, "prepare")
+
+
+def test_summary_is_one_line_of_section_hashes(tmp_path):
+    config = _load(tmp_path)
+    line = config_lib.summary(config, ("data", "prepare", "seed"))
+    assert line == f"data {config.section_hash('data')}, prepare " \
+                   f"{config.section_hash('prepare')}, seed 0"
 
 
 def test_missing_env_var_names_variable_and_key(tmp_path, monkeypatch):
@@ -122,7 +140,7 @@ def test_the_shipped_configs_load(monkeypatch):
     monkeypatch.setenv("PADIR_DATA_ROOT", "/data")
     demo = config_lib.load("configs/demo.yaml")
     assert demo.data.max_train_pairs == 3000
-    assert demo.data.train.source == "/data/multi30k/train.en.gz"
+    assert config_lib.expand_env(demo.data.train.source) == "/data/multi30k/train.en.gz"
     assert [t.name for t in demo.data.test] == ["test2016"]
     benchmark = config_lib.load("configs/multi30k_en_de.yaml")
     assert benchmark.decode.latency_sentences == 200 and benchmark.distill.enabled
@@ -193,3 +211,61 @@ def test_a_local_workdir_is_made_absolute_and_a_remote_one_kept():
         os.path.abspath("runs/a")
     assert config_lib.from_dict(config_lib.Config, {**BASE, "workdir": "gs://b/runs"}).workdir == \
         "gs://b/runs"
+
+
+# --- a broken file or override is one line naming the file, line or key ----------------
+
+
+@pytest.mark.parametrize("text, message", [
+    ("seed: [1, 2\n", r"c.yaml:2:1: invalid YAML: expected ',' or ']'"),
+    ("seed: 1\n  workdir: x\n", r"c.yaml:2:10: invalid YAML: mapping values"),
+    ("seed: !!python/object/apply:os.system [echo hi]\n",
+     r"c.yaml:1:7: invalid YAML: could not determine a constructor.*python/object"),
+    ("- a\n- b\n", r"c.yaml: expected a mapping at the top level, got list \['a', 'b'\]"),
+    ("include: [a]\n", r"c.yaml: include: expected a file name"),
+    ("include: nowhere.yaml\n", r"nowhere.yaml: no such config file"),
+])
+def test_a_broken_config_file_is_one_line_naming_file_and_line(tmp_path, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=message) as error:
+        config_lib.load(str(tmp_path / "c.yaml"))
+    assert "\n" not in str(error.value)
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing.yaml: no such config file"):
+        config_lib.load(str(tmp_path / "missing.yaml"))
+
+
+def test_an_include_loop_names_the_chain(tmp_path):
+    (tmp_path / "a.yaml").write_text("include: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("include: a.yaml\nseed: 1\n")
+    with pytest.raises(ConfigError, match=r"include loop: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        config_lib.load(str(tmp_path / "a.yaml"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("seed=[", r"--set seed: the value is not valid YAML .*quote it"),
+    ("seed={a: [}", r"--set seed: the value is not valid YAML"),
+])
+def test_a_bad_set_value_is_one_line(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, overrides=[override])
+
+
+def test_a_type_error_never_echoes_the_whole_value(tmp_path):
+    # A YAML alias bomb: a few hundred bytes whose value prints as 9**9 strings.
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    (tmp_path / "c.yaml").write_text("\n".join(["prepare:", *(f"  {line}" for line in lines),
+                                                "  max_chars: *a8"]) + "\n")
+    with pytest.raises(ConfigError, match="unknown config key 'prepare.a0'"):
+        config_lib.load(str(tmp_path / "c.yaml"))
+    with pytest.raises(ConfigError, match=r"prepare.max_chars: expected an integer, got list") \
+            as error:
+        config_lib.load(str(tmp_path / "c.yaml"), ["prepare={max_chars: [[[[[[[[1]]]]]]]]}"])
+    assert len(str(error.value)) < 200
+    bomb = yaml.safe_load("\n".join(lines))["a8"]
+    with pytest.raises(ConfigError, match=r"prepare.max_chars: expected an integer") as error:
+        config_lib.from_dict(config_lib.Config, {**BASE, "prepare": {"max_chars": bomb}})
+    assert len(str(error.value)) < 200
