@@ -1,9 +1,13 @@
-"""Stage artifacts: `<workdir>/<stage>/<key>/`, complete only once `manifest.json` exists.
+"""Stage artifacts: `<workdir>/<stage>/<key>/`, complete only once `manifest.json` parses.
 
-A stage writes everything into a temporary sibling directory, which is moved to its final
-place only when the stage succeeded; the manifest is written last. Readers accept a
-directory only if its manifest exists, so a crash at any point leaves nothing that a later
-stage would read. Paths may be local or any fsspec URL (`gs://`, `memory://`).
+One writer per key: a stage takes the key's lease (`lease`) before it writes anything, so a
+second run of the same key (a cron run overlapping a manual one, two trainers) fails at once
+with one line naming the holder, instead of sharing or deleting the first one's work.
+Holding it, the stage writes everything into a temporary sibling directory, which is moved
+to its final place only when the stage succeeded; the manifest is written last, atomically
+(a temporary name renamed locally, one object write on GCS). Readers accept a directory only
+if its manifest parses, so a crash at any point leaves nothing that a later stage would
+read. Paths may be local or any fsspec URL (`gs://`, `memory://`).
 
 Example:
     with artifacts.write(workdir, "prepare", key, config=cfg, inputs={}) as out:
@@ -17,13 +21,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import json
+import logging
+import os
 import posixpath
+import socket
+import threading
 import time
 import uuid
 from typing import Any, Iterator, Mapping
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 CONFIG = "config.yaml"
@@ -31,6 +43,14 @@ CONFIG = "config.yaml"
 
 class IncompleteArtifactError(FileNotFoundError):
     """An input artifact is missing or was never completed (no manifest)."""
+
+
+class CorruptManifestError(IncompleteArtifactError):
+    """A manifest that does not parse (cut short by a kill): the artifact is incomplete."""
+
+
+class LeaseHeldError(RuntimeError):
+    """Another run is writing the same artifact key."""
 
 
 class StageStopped(RuntimeError):
@@ -77,21 +97,39 @@ def location(workdir: str, stage: str, key: str) -> str:
 
 
 def is_complete(uri: str) -> bool:
-    fs, path = filesystem(uri)
-    return fs.exists(join(path, MANIFEST))
+    """True if `uri` has a manifest that parses; one that does not is logged and is False."""
+    try:
+        _load_manifest(uri)
+    except CorruptManifestError as e:
+        log.warning("%s", e)
+        return False
+    except IncompleteArtifactError:
+        return False
+    return True
 
 
 def read(uri: str) -> Artifact:
-    """The artifact at `uri`; IncompleteArtifactError if it has no manifest."""
+    """The artifact at `uri`; IncompleteArtifactError if its manifest is missing or corrupt."""
+    manifest = _load_manifest(uri)
+    return Artifact(stage=manifest["stage"], key=manifest["key"], uri=uri, manifest=manifest)
+
+
+def _load_manifest(uri: str) -> dict[str, Any]:
     fs, path = filesystem(uri)
-    manifest_path = join(path, MANIFEST)
-    if not fs.exists(manifest_path):
+    try:
+        with fs.open(join(path, MANIFEST), "r") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
         raise IncompleteArtifactError(
             f"{uri} is not a complete artifact (no {MANIFEST}); run its stage first"
-        )
-    with fs.open(manifest_path, "r") as f:
-        manifest = json.load(f)
-    return Artifact(stage=manifest["stage"], key=manifest["key"], uri=uri, manifest=manifest)
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptManifestError(
+            f"{uri}: {MANIFEST} does not parse ({e}); incomplete: run its stage again"
+        ) from None
+    if not isinstance(manifest, dict) or not {"stage", "key"} <= manifest.keys():
+        raise CorruptManifestError(f"{uri}: {MANIFEST} lacks stage and key; run its stage again")
+    return manifest
 
 
 def require(workdir: str, stage: str, key: str) -> Artifact:
@@ -99,6 +137,11 @@ def require(workdir: str, stage: str, key: str) -> Artifact:
     uri = location(workdir, stage, key)
     try:
         return read(uri)
+    except CorruptManifestError as e:
+        raise CorruptManifestError(
+            f"input stage '{stage}' has an unreadable {MANIFEST} at {uri}: "
+            f"run `padir stage {stage}` again"
+        ) from e
     except IncompleteArtifactError as e:
         raise IncompleteArtifactError(
             f"input stage '{stage}' has no complete output at {uri}: run `padir stage {stage}` first"
@@ -129,6 +172,7 @@ def write(
     config_yaml: str = "",
     inputs: Mapping[str, str],
     resumable: bool = False,
+    publisher: bool = True,
 ) -> Iterator[PendingArtifact]:
     """Context manager that publishes a stage's output atomically (see module docstring).
 
@@ -140,36 +184,208 @@ def write(
         stopped, so that a rerun resumes from what it holds (training checkpoints).
         It is still never read by another stage: it has no manifest and is not at the
         final location.
+      publisher: False on every process of a multi-host run but process 0: it works in the
+        same resumable directory, and takes no lease and publishes nothing (process 0 does
+        both, once all processes passed a barrier inside the body).
+
+    Raises:
+      LeaseHeldError: another run holds this key's lease (before anything is written).
     """
-    final_uri = location(workdir, stage, key)
     suffix = "" if resumable else f"-{uuid.uuid4().hex[:8]}"
     tmp_uri = join(workdir, stage, f".{'partial' if resumable else 'tmp'}-{key}{suffix}")
     fs, tmp_path = filesystem(tmp_uri)
-    fs.makedirs(tmp_path, exist_ok=True)
     pending = PendingArtifact(stage=stage, key=key, tmp_uri=tmp_uri)
-    started = time.time()
-    try:
+    if not publisher:
+        fs.makedirs(tmp_path, exist_ok=True)
         yield pending
-        if config_yaml:
-            with fs.open(join(tmp_path, CONFIG), "w") as f:
-                f.write(config_yaml)
-        _, final_path = filesystem(final_uri)
-        if fs.exists(final_path):  # a forced rerun, or a crash between move and manifest
-            fs.rm(final_path, recursive=True)
-        fs.mv(tmp_path, final_path, recursive=True)
-        manifest = {
-            "stage": stage,
-            "key": key,
-            "inputs": dict(inputs),
-            "config": dict(config),
-            "counts": pending.counts,
-            "metrics": pending.metrics,
-            "wall_seconds": round(time.time() - started, 3),
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
-        with fs.open(join(final_path, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-    except BaseException:
-        if not resumable and fs.exists(tmp_path):
-            fs.rm(tmp_path, recursive=True)
-        raise
+        return
+    with lease(workdir, stage, key):
+        fs.makedirs(tmp_path, exist_ok=True)
+        started = time.time()
+        try:
+            yield pending
+            if config_yaml:
+                with fs.open(join(tmp_path, CONFIG), "w") as f:
+                    f.write(config_yaml)
+            _, final_path = filesystem(location(workdir, stage, key))
+            _move_into_place(fs, tmp_path, final_path)
+            manifest = {
+                "stage": stage,
+                "key": key,
+                "inputs": dict(inputs),
+                "config": dict(config),
+                "counts": pending.counts,
+                "metrics": pending.metrics,
+                "wall_seconds": round(time.time() - started, 3),
+                "created": _now(),
+            }
+            _write_atomically(fs, join(final_path, MANIFEST),
+                              json.dumps(manifest, indent=2, sort_keys=True))
+        except BaseException:
+            if not resumable and fs.exists(tmp_path):
+                fs.rm(tmp_path, recursive=True)
+            raise
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _move_into_place(fs: fsspec.AbstractFileSystem, tmp_path: str, final_path: str) -> None:
+    """Moves the finished directory to `final_path`, replacing what is there (a forced
+    rerun, or a publication that died before its manifest; the lease rules out another
+    writer). Locally both moves are renames: the old output disappears for an instant
+    only, and a directory that reappeared makes the rename fail instead of nesting in it."""
+    if _is_local(fs):
+        if os.path.exists(final_path):
+            old = f"{final_path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final_path, old)
+            os.rename(tmp_path, final_path)
+            fs.rm(old, recursive=True)
+        else:
+            os.rename(tmp_path, final_path)
+        return
+    if fs.exists(final_path):
+        fs.rm(final_path, recursive=True)
+    fs.mv(tmp_path, final_path, recursive=True)
+
+
+def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
+    """Writes a file that readers see whole or not at all: locally a temporary name
+    renamed over it; on object stores one object write, which is atomic."""
+    if not _is_local(fs):
+        fs.pipe_file(path, text.encode())
+        return
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- the one-writer lease ------------------------------------------------------------------
+
+LEASE_RENEW_SECONDS = 60.0
+LEASE_STALE_SECONDS = 600.0  # a remote lease not renewed for this long: its holder died
+
+
+def lease_uri(workdir: str, stage: str, key: str) -> str:
+    return join(workdir, stage, f".lease-{key}")
+
+
+@contextlib.contextmanager
+def lease(workdir: str, stage: str, key: str) -> Iterator[None]:
+    """Holds the one-writer lease of `<stage>/<key>` while the body runs.
+
+    Locally the lease is an exclusive `flock` on `<stage>/.lease-<key>`, which holds the
+    holder's host, pid and start time: the kernel releases it when the holder dies, and the
+    next run reports the dead holder it takes over from. On object stores (`gs://`) it is
+    an object created only if absent (a GCS generation precondition), renewed every
+    minute; one not renewed for `LEASE_STALE_SECONDS` belonged to a dead run and is
+    taken over.
+
+    Raises:
+      LeaseHeldError: one line naming the holder.
+    """
+    fs, path = filesystem(lease_uri(workdir, stage, key))
+    name = f"{stage}/{key}"
+    held = _local_lease(path, name) if _is_local(fs) else _remote_lease(fs, path, name)
+    with held:
+        yield
+
+
+def _holder() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _now(),
+            "renewed": time.time()}
+
+
+def _describe(holder: Mapping[str, Any]) -> str:
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} "
+            f"since {holder.get('started', '?')}")
+
+
+def _parse_holder(data: bytes) -> dict[str, Any]:
+    try:
+        holder = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _held_error(name: str, holder: Mapping[str, Any]) -> LeaseHeldError:
+    return LeaseHeldError(
+        f"{name} is being written by another run ({_describe(holder)}): "
+        "wait for it to finish, or stop it"
+    )
+
+
+@contextlib.contextmanager
+def _local_lease(path: str, name: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse_holder(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise _held_error(name, holder) from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the holder released (unlinked) the file between our open and flock
+    try:
+        previous = _parse_holder(os.pread(fd, 4096, 0))
+        if previous:
+            log.warning("%s: taking over the lease of a run that died (%s)",
+                        name, _describe(previous))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        os.fsync(fd)
+        yield
+    finally:
+        os.unlink(path)  # before the unlock: a waiting run then retries on a fresh file
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _remote_lease(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Iterator[None]:
+    holder = _holder()
+    try:
+        fs.pipe_file(path, json.dumps(holder).encode(), mode="create")
+    except FileExistsError:
+        previous = _parse_holder(fs.cat_file(path))
+        if time.time() - previous.get("renewed", 0.0) < LEASE_STALE_SECONDS:
+            raise _held_error(name, previous) from None
+        log.warning("%s: taking over the stale lease of %s", name, _describe(previous))
+        fs.rm_file(path)
+        try:
+            fs.pipe_file(path, json.dumps(holder).encode(), mode="create")
+        except FileExistsError:
+            raise _held_error(name, _parse_holder(fs.cat_file(path))) from None
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew, args=(fs, path, holder, stop), daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        fs.rm_file(path)
+
+
+def _renew(fs: fsspec.AbstractFileSystem, path: str, holder: dict[str, Any],
+           stop: threading.Event) -> None:
+    while not stop.wait(LEASE_RENEW_SECONDS):
+        holder["renewed"] = time.time()
+        try:
+            fs.pipe_file(path, json.dumps(holder).encode())
+        except OSError as e:  # a missed renewal is harmless unless ten in a row are missed
+            log.warning("could not renew the lease %s: %s", path, e)

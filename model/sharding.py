@@ -30,9 +30,19 @@ LogicalRules = tuple[tuple[str, Any], ...]
 
 
 def initialize_distributed(cfg: MeshConfig) -> None:
-    """`jax.distributed.initialize()` when the config asks for it (call before any JAX work)."""
+    """`jax.distributed.initialize()` when the config asks for it.
+
+    Must run before anything initialises the backend (`jax.devices()`, `process_index()`,
+    the first array): the backend is created once, and only a backend created after this
+    call spans all processes. Values the config leaves None JAX detects (TPU VMs); on CPU
+    the processes reduce over gloo, JAX's default CPU collectives.
+    """
     if cfg.distributed and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        jax.distributed.initialize(
+            coordinator_address=cfg.coordinator_address,
+            num_processes=cfg.num_processes,
+            process_id=cfg.process_id,
+        )
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int]:

@@ -1,10 +1,16 @@
 """components/artifacts.py: atomic publication, completeness, local and fsspec paths."""
 
 import json
+import logging
+import os
+import socket
+import threading
+import time
 import uuid
 
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from components import artifacts
 
@@ -130,3 +136,111 @@ def test_resumable_work_survives_a_failure_and_is_reused(workdir):
     artifact = artifacts.require(workdir, "teacher", "k")
     assert _names(artifacts.join(workdir, "teacher")) == ["k"]
     assert _names(artifact.path("checkpoints")) == ["100"]
+
+
+# --- one writer per key, atomic manifests ----------------------------------------------------
+
+
+def test_a_second_publisher_of_the_key_fails_naming_the_holder(workdir, monkeypatch):
+    """The first publisher pauses between its existence check and its move; the second,
+    meanwhile, neither nests its tree in the first one's nor deletes it: it fails at once."""
+    paused, resume = threading.Event(), threading.Event()
+    move = artifacts._move_into_place
+
+    def slow_move(fs, tmp_path, final_path):
+        paused.set()
+        assert resume.wait(30)
+        move(fs, tmp_path, final_path)
+
+    monkeypatch.setattr(artifacts, "_move_into_place", slow_move)
+    first = threading.Thread(target=_publish, args=(workdir, "k1", {"first.txt": "1"}))
+    first.start()
+    assert paused.wait(30)
+    try:
+        with pytest.raises(artifacts.LeaseHeldError,
+                           match=rf"prepare/k1 is being written by another run \(pid "
+                                 rf"{os.getpid()} on {socket.gethostname()} since"):
+            _publish(workdir, "k1", {"second.txt": "2"})
+    finally:
+        resume.set()
+        first.join()
+    artifact = artifacts.require(workdir, "prepare", "k1")
+    assert _names(artifact.uri) == ["config.yaml", "first.txt", "manifest.json"]
+    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]  # lease released, no tmp
+
+
+def test_a_second_trainer_of_the_key_leaves_the_first_ones_work_alone(workdir):
+    with artifacts.write(workdir, "teacher", "k", config={}, inputs={}, resumable=True) as out:
+        _put(out.path("checkpoints", "5"), "step 5")
+        with pytest.raises(artifacts.LeaseHeldError, match="teacher/k is being written"):
+            with artifacts.write(workdir, "teacher", "k", config={}, inputs={},
+                                 resumable=True):
+                pytest.fail("the second trainer got in")
+        with fsspec.open(out.path("checkpoints", "5"), "r") as f:
+            assert f.read() == "step 5"
+    assert _names(artifacts.require(workdir, "teacher", "k").path("checkpoints")) == ["5"]
+
+
+def test_a_stale_remote_lease_is_taken_over_a_live_one_is_not(caplog):
+    workdir = f"memory://lease-{uuid.uuid4().hex[:8]}/work"
+    lease = artifacts.lease_uri(workdir, "prepare", "k1")
+    holder = {"host": "elsewhere", "pid": 7, "started": "2026-01-01T00:00:00+00:00"}
+    _put(lease, json.dumps(dict(holder, renewed=time.time())))
+    with pytest.raises(artifacts.LeaseHeldError, match="pid 7 on elsewhere since 2026-01-01"):
+        _publish(workdir, "k1", {"a.txt": "x"})
+    _put(lease, json.dumps(dict(holder, renewed=time.time() - artifacts.LEASE_STALE_SECONDS)))
+    with caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        _publish(workdir, "k1", {"a.txt": "x"})
+    assert "taking over the stale lease of pid 7 on elsewhere" in caplog.text
+    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]
+
+
+@pytest.mark.parametrize("content", ["", '{"stage": "prepare", "ke'])
+def test_an_empty_or_truncated_manifest_is_incomplete_not_a_crash(workdir, content, caplog):
+    artifact = _publish(workdir, "k1", {"a.txt": "x"})
+    _put(artifact.path("manifest.json"), content)
+    with caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        assert not artifacts.is_complete(artifact.uri)
+    assert "manifest.json does not parse" in caplog.text
+    with pytest.raises(artifacts.IncompleteArtifactError, match="does not parse"):
+        artifacts.read(artifact.uri)
+    with pytest.raises(artifacts.IncompleteArtifactError,
+                       match="'prepare' has an unreadable manifest.json.*padir stage prepare"):
+        artifacts.require(workdir, "prepare", "k1")
+    assert artifacts.is_complete(_publish(workdir, "k1", {"b.txt": "y"}).uri)  # rerun heals it
+
+
+def test_the_manifest_is_never_seen_half_written(tmp_path, monkeypatch):
+    """Locally it is written under a temporary name and renamed; a kill before the rename
+    leaves no manifest.json at all."""
+    def killed(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(artifacts.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _publish(str(tmp_path), "k1", {"a.txt": "x"})
+    final = artifacts.location(str(tmp_path), "prepare", "k1")
+    assert "manifest.json" not in os.listdir(final)
+    assert not artifacts.is_complete(final)
+
+
+def test_a_memory_publish_that_fails_half_way_leaves_nothing_readable(monkeypatch):
+    workdir = f"memory://half-{uuid.uuid4().hex[:8]}/work"
+    copied = []
+    copy = MemoryFileSystem.cp_file
+
+    def failing_copy(self, path1, path2, **kwargs):
+        if copied:
+            raise OSError("connection reset")
+        copied.append(path2)
+        return copy(self, path1, path2, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "cp_file", failing_copy)
+    with pytest.raises(OSError, match="connection reset"):
+        _publish(workdir, "k1", {"a.txt": "old", "b.txt": "old"})
+    final = artifacts.location(workdir, "prepare", "k1")
+    assert len(copied) == 1 and not artifacts.is_complete(final)
+    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]  # tmp and lease are gone
+    monkeypatch.setattr(MemoryFileSystem, "cp_file", copy)
+    artifact = _publish(workdir, "k1", {"c.txt": "new"})
+    assert _names(artifact.uri) == ["c.txt", "config.yaml", "manifest.json"]
