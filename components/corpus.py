@@ -1,9 +1,16 @@
 """Parallel corpus IO and the per-pair logic of the `prepare` stage (plain Python, no Beam).
 
 Reading: a corpus is two line-aligned files (plain or .gz) or one TSV, optionally a member
-of a .zip, at a local path, an http(s) URL or `gs://` (all through fsspec). Lines are read
-as bytes, so that invalid UTF-8 is rejected per line and only `\\n` ends a line (U+2028 or
-U+0085 inside a sentence never shifts the alignment of the two sides).
+of a .zip, at a local path (relative or absolute), an http(s) URL or `gs://` (all through
+fsspec; `${VAR}` in a location is expanded only here, see components/config.py). Lines are
+read as bytes, in blocks, so that invalid UTF-8 is rejected per line, only `\\n` ends a
+line (U+2028 or U+0085 inside a sentence never shifts the alignment of the two sides), and
+a line longer than `prepare.max_line_bytes` is never held in memory whole.
+
+Before any work starts, `check_corpus` reads every file once and fails with a
+`CorpusError` naming the file and the cause when it is missing, unreadable (a damaged
+gzip or zip), empty, has CR-only line endings (it would read as one line), or is UTF-16 or
+UTF-32 (a byte-order mark, or NUL bytes); or when the two sides differ in length.
 
 Cleaning a pair (`clean_pair`): decode as UTF-8, then `normalise` each side: control and
 format characters (Unicode Cc/Cf) are removed, except that the whitespace ones (tab,
@@ -12,6 +19,7 @@ and both ends are stripped.
 
 Rejection reasons (`REASONS`): every rejected pair is kept with its reason, never dropped.
   malformed     a TSV line without the expected number of tab-separated columns
+  oversized     a line over `prepare.max_line_bytes` bytes (shown cut to its start)
   invalid_utf8  a side is not valid UTF-8
   empty         a side is empty after normalisation
   too_long      a side has more than `prepare.max_chars` characters
@@ -20,7 +28,8 @@ Rejection reasons (`REASONS`): every rejected pair is kept with its reason, neve
   duplicate     the same (source, target) after normalisation as a pair with a lower id
 
 Given dev and test sets are official: they are normalised and rejected only when they are
-unusable (malformed, invalid_utf8, empty). The length filters and de-duplication apply to
+unusable (malformed, oversized, invalid_utf8, empty); the stage then fails unless it is
+`empty` (STRUCTURAL reasons), since a test set with a hole is not the official one. The length filters and de-duplication apply to
 pairs read from train alone (including those carved into dev/test from it), so that a
 filter setting never silently changes an official evaluation set, and dev/test are not
 de-duplicated against train. Rejected dev/test pairs are counted under their split name.
@@ -43,16 +52,28 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import lzma
 import unicodedata
+import zipfile
+import zlib
 from typing import Iterable, Iterator, Optional, Union
 
 import fsspec
 
 from components import artifacts
-from components.config import CorpusConfig, DataConfig, PrepareConfig
+from components.config import CorpusConfig, DataConfig, PrepareConfig, expand_env
 
-REASONS = ("malformed", "invalid_utf8", "empty", "too_long", "length_ratio", "duplicate")
+REASONS = ("malformed", "oversized", "invalid_utf8", "empty", "too_long", "length_ratio",
+           "duplicate")
+# Reasons that mean the input itself is broken (rather than filtered): any of them fails a
+# given dev or test set (`pipelines.prepare.check_rejects`).
+STRUCTURAL = ("malformed", "oversized", "invalid_utf8")
 TRAIN, DEV, CARVED_TEST, REJECTS = "train", "dev", "test", "rejects"
+SHOWN_BYTES = 200  # of an oversized line, in its reject
+_BLOCK = 1 << 20  # bytes read at a time
+# What a damaged file raises while it is read: gzip's CRC and header errors are OSErrors,
+# a corrupt deflate stream is a zlib.error, a damaged zip a BadZipFile, a cut one EOFError.
+READ_ERRORS = (OSError, EOFError, KeyError, zlib.error, zipfile.BadZipFile, lzma.LZMAError)
 
 
 class CorpusError(ValueError):
@@ -66,6 +87,7 @@ class CorpusSpec:
     split: str
     corpus: CorpusConfig
     limit: Optional[int] = None
+    max_line_bytes: int = PrepareConfig.max_line_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +98,8 @@ class RawPair:
     split: str  # of origin
     source: bytes
     target: bytes
-    malformed: bool = False  # then `source` holds the whole TSV line
+    reason: Optional[str] = None  # "malformed" (`source` holds the whole TSV line) or
+    # "oversized" (the sides hold the start of the line only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,12 +173,13 @@ def output_split(pair: Pair, *, seed: int, data: DataConfig) -> str:
 # --- reading ---------------------------------------------------------------------------
 
 
-def corpus_specs(data: DataConfig) -> tuple[CorpusSpec, ...]:
+def corpus_specs(data: DataConfig, prepare: PrepareConfig) -> tuple[CorpusSpec, ...]:
     """Every corpus the stage reads, with its split of origin."""
-    specs = [CorpusSpec(TRAIN, data.train, data.max_train_pairs)]
+    cap = prepare.max_line_bytes
+    specs = [CorpusSpec(TRAIN, data.train, data.max_train_pairs, cap)]
     if data.dev is not None:
-        specs.append(CorpusSpec(DEV, data.dev))
-    specs.extend(CorpusSpec(t.name, t.corpus) for t in data.test)
+        specs.append(CorpusSpec(DEV, data.dev, max_line_bytes=cap))
+    specs.extend(CorpusSpec(t.name, t.corpus, max_line_bytes=cap) for t in data.test)
     return tuple(specs)
 
 
@@ -163,63 +187,148 @@ def _tsv_uri(corpus: CorpusConfig) -> str:
     return f"zip://{corpus.member}::{corpus.tsv}" if corpus.member else corpus.tsv
 
 
-def read_lines(uri: str) -> Iterator[bytes]:
-    """The lines of a (possibly compressed) file as bytes, without the line ending."""
-    with fsspec.open(uri, "rb", compression="infer") as f:
-        for line in f:
-            if line.endswith(b"\n"):
-                line = line[:-1]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            yield line
+def _blocks(uri: str) -> Iterator[bytes]:
+    """The (decompressed) bytes of a file, a block at a time; `uri` may hold `${VAR}`."""
+    with fsspec.open(expand_env(uri), "rb", compression="infer") as f:
+        while block := f.read(_BLOCK):
+            yield block
+
+
+def _line(head: bytes, oversized: bool) -> tuple[bytes, bool]:
+    if oversized:
+        return head[:SHOWN_BYTES], True
+    return (head[:-1] if head.endswith(b"\r") else head), False
+
+
+def read_lines(uri: str, max_bytes: int) -> Iterator[tuple[bytes, bool]]:
+    """The lines of a (possibly compressed) file as bytes, without the line ending.
+
+    Yields:
+      (line, oversized): a line over `max_bytes` bytes is `oversized`, and only its first
+      SHOWN_BYTES are kept; the rest is skipped as it is read, never held whole.
+    """
+    head, oversized = b"", False  # the line being read (its start only, when oversized)
+    for block in _blocks(uri):
+        *ends, tail = block.split(b"\n")
+        for piece in ends:
+            if not oversized:
+                head += piece
+                oversized = len(head) > max_bytes + head.endswith(b"\r")
+            yield _line(head, oversized)
+            head, oversized = b"", False
+        if not oversized:
+            head += tail
+            if len(head) > max_bytes + 1:  # + 1: a CR that ends the line in the next block
+                head, oversized = head[:SHOWN_BYTES], True
+    if head or oversized:
+        yield _line(head, oversized or len(head) > max_bytes)
 
 
 def count_lines(uri: str, where: str) -> int:
-    """Line count of one file; unreadable or missing files raise CorpusError."""
+    """Line count of one file, read whole once.
+
+    Raises:
+      CorpusError: the file is missing, unreadable (damaged), UTF-16/32, or has CR-only
+        line endings; the message names `where`, the file and the cause.
+    """
+    newlines = lone_crs = 0
+    last = b""  # the last byte of the file so far
     try:
-        return sum(1 for _ in read_lines(uri))
-    except (OSError, EOFError, KeyError) as e:  # KeyError: no such member in a zip
-        raise CorpusError(f"{where}: cannot read {uri}: {e!r}") from e
+        for i, block in enumerate(_blocks(uri)):
+            if i == 0:
+                _check_encoding(block, uri, where)
+            newlines += block.count(b"\n")
+            # CR not followed by LF; a CRLF split across two blocks is not lone.
+            lone_crs += block.count(b"\r") - block.count(b"\r\n") - (
+                last == b"\r" and block.startswith(b"\n"))
+            last = block[-1:]
+    except READ_ERRORS as e:  # KeyError: no such member in a zip
+        raise CorpusError(f"{where}: cannot read {uri}: {_cause(e)}") from e
+    if lone_crs > newlines:
+        raise CorpusError(
+            f"{where}: {uri} has CR-only line endings ({lone_crs} CRs, {newlines} newlines) "
+            "and would read as one line: convert them to \\n (tr '\\r' '\\n')")
+    return newlines + (last not in (b"", b"\n"))
+
+
+def _cause(error: BaseException) -> str:
+    if isinstance(error, FileNotFoundError):
+        return "no such file"
+    if isinstance(error, KeyError):
+        return f"no member {error} in the zip"
+    name = "zlib.error" if isinstance(error, zlib.error) else type(error).__name__
+    return f"{name}: {error}" if str(error) else name
+
+
+_WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32",
+              b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+
+
+def _check_encoding(first_block: bytes, uri: str, where: str) -> None:
+    """UTF-16/32 text splits into lines of NUL-riddled bytes that decode as UTF-8 and lose
+    their NULs in `normalise`: caught here, by its byte-order mark or its NUL bytes."""
+    bom = next((name for bom, name in _WIDE_BOMS.items() if first_block.startswith(bom)), None)
+    if bom is None and first_block.count(b"\x00") * 10 > len(first_block):
+        bom = "UTF-16 or UTF-32 (NUL bytes)"
+    if bom is not None:
+        raise CorpusError(f"{where}: {uri} looks like {bom}, not UTF-8: convert it "
+                          "(iconv -t UTF-8)")
 
 
 def check_corpus(spec: CorpusSpec) -> int:
     """Checks one corpus before any work starts; returns its number of lines (pairs).
 
     Raises:
-      CorpusError: a file is missing or unreadable, or the two sides differ in length.
+      CorpusError: a file is missing, unreadable, empty, in a wrong encoding or with CR-only
+        line endings, or the two sides differ in length.
     """
     where = f"data.{spec.split}"
     corpus = spec.corpus
     if corpus.tsv is not None:
-        return count_lines(_tsv_uri(corpus), where)
-    sources = count_lines(corpus.source, f"{where}.source")
-    targets = count_lines(corpus.target, f"{where}.target")
-    if sources != targets:
-        raise CorpusError(
-            f"{where}: source and target files are not line-aligned: "
-            f"{corpus.source} has {sources} lines, {corpus.target} has {targets} lines")
-    return sources
+        lines = count_lines(_tsv_uri(corpus), where)
+    else:
+        lines = count_lines(corpus.source, f"{where}.source")
+        targets = count_lines(corpus.target, f"{where}.target")
+        if lines != targets:
+            raise CorpusError(
+                f"{where}: source and target files are not line-aligned: "
+                f"{corpus.source} has {lines} lines, {corpus.target} has {targets} lines")
+    if lines == 0:
+        raise CorpusError(f"{where}: {corpus.tsv or corpus.source} is empty")
+    return lines
 
 
 def read_pairs(spec: CorpusSpec) -> Iterator[RawPair]:
     """The raw pairs of one corpus in file order (the first `spec.limit` only, if set)."""
-    corpus = spec.corpus
+    try:
+        yield from _read_pairs(spec)
+    except READ_ERRORS as e:  # checked before the job: the file changed since
+        raise CorpusError(f"data.{spec.split}: cannot read it any more: {_cause(e)}") from e
+
+
+def _read_pairs(spec: CorpusSpec) -> Iterator[RawPair]:
+    corpus, cap = spec.corpus, spec.max_line_bytes
     if corpus.tsv is not None:
         columns = corpus.expected_columns
         i, j = corpus.tsv_columns
-        lines = enumerate(read_lines(_tsv_uri(corpus)))
-        for n, line in itertools.islice(lines, spec.limit):
+        lines = enumerate(read_lines(_tsv_uri(corpus), cap))
+        for n, (line, oversized) in itertools.islice(lines, spec.limit):
+            pair_id = make_id(spec.split, n)
             fields = line.split(b"\t")  # a tab byte never occurs inside a UTF-8 sequence
-            if len(fields) != columns:
-                yield RawPair(make_id(spec.split, n), spec.split, line, b"", malformed=True)
+            if oversized or len(fields) != columns:
+                reason = "oversized" if oversized else "malformed"
+                yield RawPair(pair_id, spec.split, line, b"", reason=reason)
             else:
-                yield RawPair(make_id(spec.split, n), spec.split, fields[i], fields[j])
+                yield RawPair(pair_id, spec.split, fields[i], fields[j])
         return
     try:
         # strict: the lengths were checked up front, so a difference means a file changed.
-        lines = enumerate(zip(read_lines(corpus.source), read_lines(corpus.target), strict=True))
-        for n, (source, target) in itertools.islice(lines, spec.limit):
-            yield RawPair(make_id(spec.split, n), spec.split, source, target)
+        lines = enumerate(zip(read_lines(corpus.source, cap), read_lines(corpus.target, cap),
+                              strict=True))
+        for n, ((source, long_source), (target, long_target)) in itertools.islice(
+                lines, spec.limit):
+            reason = "oversized" if long_source or long_target else None
+            yield RawPair(make_id(spec.split, n), spec.split, source, target, reason=reason)
     except ValueError as e:
         raise CorpusError(f"data.{spec.split}: {corpus.source} and {corpus.target} are no "
                           f"longer line-aligned (changed since the check?): {e}") from e
@@ -265,8 +374,8 @@ def _show(raw: bytes) -> str:
 
 def clean_pair(raw: RawPair, config: PrepareConfig) -> Union[Pair, Reject]:
     """Decodes, normalises and checks one raw pair (everything but de-duplication)."""
-    if raw.malformed:
-        return Reject(raw.id, raw.split, "malformed", _show(raw.source), _show(raw.target))
+    if raw.reason is not None:
+        return Reject(raw.id, raw.split, raw.reason, _show(raw.source), _show(raw.target))
     try:
         source, target = raw.source.decode("utf-8"), raw.target.decode("utf-8")
     except UnicodeDecodeError:

@@ -10,9 +10,15 @@ Contract:
   The rules (normalisation, reasons, which apply to dev/test, carving, ids) are in the
   docstring of components/corpus.py. Read the output with `components.corpus.read_split`.
 
-Misaligned source/target files or a missing file fail before the pipeline starts, and
-nothing is written. Gzip is not splittable, so each corpus is read whole by one worker and
-the pairs are reshuffled before the per-pair work.
+A structural problem fails before the pipeline starts, and nothing is written: a missing,
+damaged, empty or UTF-16 file, CR-only line endings, misaligned source/target files
+(`corpus.check_corpus`). Bad lines are rejected, counted and written; after the job, too
+many of them fail the stage and nothing is published (`check_rejects`): more than
+`prepare.max_reject_fraction` of the train pairs (duplicates aside), or any unusable line
+(`corpus.STRUCTURAL`) or no usable line at all in a given dev or test set. The rejects
+are then kept at `<workdir>/prepare/failed-<key>-rejects.jsonl`, named in the error.
+Gzip is not splittable, so each corpus is read whole by one worker and the pairs are
+reshuffled before the per-pair work.
 
 Run locally (the in-process FnApiRunner):
     PADIR_DATA_ROOT=../shared/data python -m pipelines.prepare \\
@@ -27,6 +33,7 @@ GCS, workers from a container built from the same lock):
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Iterator, Optional, Sequence
 
 import apache_beam as beam
@@ -134,7 +141,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, output_uri: str) -
     splits = corpus.output_splits(config.data)
     cleaned = (
         pipeline
-        | "ListCorpora" >> beam.Create(corpus.corpus_specs(config.data))
+        | "ListCorpora" >> beam.Create(corpus.corpus_specs(config.data, config.prepare))
         | "ReadPairs" >> beam.FlatMap(read_corpus)
         | "Reshuffle" >> beam.Reshuffle()
         | "CleanPairs" >> beam.ParDo(CleanPairs(config.prepare)).with_outputs(corpus.REJECTS,
@@ -164,10 +171,11 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, output_uri: str) -
 
 
 def collect_counts(result: beam.runners.runner.PipelineResult,
-                   data: config_lib.DataConfig) -> dict[str, int]:
+                   config: config_lib.Config) -> dict[str, int]:
     """The job's counters by name, with a zero for every split and reason that saw none."""
-    counts = {f"read.{spec.split}": 0 for spec in corpus.corpus_specs(data)}
-    counts.update({f"kept.{split}": 0 for split in corpus.output_splits(data)})
+    counts = {f"read.{spec.split}": 0
+              for spec in corpus.corpus_specs(config.data, config.prepare)}
+    counts.update({f"kept.{split}": 0 for split in corpus.output_splits(config.data)})
     counts.update({f"rejected.{reason}": 0 for reason in corpus.REASONS})
     query = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
     for counter in query["counters"]:
@@ -187,14 +195,65 @@ def _check_accounting(counts: dict[str, int]) -> None:
                            f"{total['kept.']} + rejected {total['rejected.']}: {counts}")
 
 
+def check_rejects(counts: dict[str, int], config: config_lib.Config) -> None:
+    """Fails a job whose input is too broken to publish (see the module docstring).
+
+    Raises:
+      corpus.CorpusError: naming the split, the counts by reason and the limit passed.
+    """
+    for spec in corpus.corpus_specs(config.data, config.prepare):
+        split, read = spec.split, counts[f"read.{spec.split}"]
+        rejected = {reason: counts.get(f"rejected_by_split.{split}.{reason}", 0)
+                    for reason in corpus.REASONS}
+        if split == corpus.TRAIN:
+            bad = {r: n for r, n in rejected.items() if n and r != "duplicate"}
+            total, limit = sum(bad.values()), config.prepare.max_reject_fraction
+            if total > limit * read or total == read:
+                hint = "; is the file UTF-8?" if max(bad, key=bad.get) == "invalid_utf8" else ""
+                raise corpus.CorpusError(
+                    f"data.train: {total} of {read} pairs rejected ({total / read:.0%}, "
+                    f"prepare.max_reject_fraction is {limit}): {_by_reason(bad)}{hint}")
+            continue
+        unusable = {r: n for r, n in rejected.items() if n and r in corpus.STRUCTURAL}
+        if unusable:
+            raise corpus.CorpusError(
+                f"data.{split}: {sum(unusable.values())} of {read} lines unusable "
+                f"({_by_reason(unusable)}); a given {split} set is used whole or not at all")
+        if counts[f"kept.{split}"] == 0:
+            raise corpus.CorpusError(f"data.{split}: none of its {read} lines is usable "
+                                     f"({_by_reason({r: n for r, n in rejected.items() if n})})")
+
+
+def _by_reason(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in counts.items())
+
+
+def failed_rejects_uri(config: config_lib.Config) -> str:
+    """Where the rejects of a job that failed `check_rejects` are kept (not an artifact)."""
+    key = dag.stage_key(config, "prepare")
+    return artifacts.join(config.workdir, "prepare", f"failed-{key}-rejects.jsonl")
+
+
+def _keep_rejects(tmp_uri: str, config: config_lib.Config) -> str:
+    fs, source = artifacts.filesystem(corpus.split_pattern(tmp_uri, corpus.REJECTS))
+    target = failed_rejects_uri(config)
+    _, target_path = artifacts.filesystem(target)
+    with fs.open(target_path, "wb") as out:
+        for path in sorted(fs.glob(source)):
+            out.write(fs.cat_file(path))
+    return target
+
+
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Checks the inputs, runs the job and publishes its artifact (see module docstring).
 
     Raises:
-      corpus.CorpusError: a missing file or misaligned sides; nothing is written.
+      corpus.CorpusError: a structural problem (nothing is written), or too many rejects
+        (nothing is published; the rejects are kept, see `failed_rejects_uri`).
     """
-    logging.info("prepare: resolved config\n%s", config_lib.dump(config))
-    for spec in corpus.corpus_specs(config.data):  # before anything is written
+    logging.info("prepare: %s", config_lib.summary(config, dag.STAGES["prepare"].sections))
+    logging.debug("prepare: resolved config\n%s", config_lib.dump(config))
+    for spec in corpus.corpus_specs(config.data, config.prepare):  # before anything is written
         logging.info("prepare: %s has %d lines", spec.split, corpus.check_corpus(spec))
     key = dag.stage_key(config, "prepare")
     with artifacts.write(config.workdir, "prepare", key,
@@ -204,8 +263,13 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
         build(pipeline, config, pending.tmp_uri)
         result = pipeline.run()
         result.wait_until_finish()
-        counts = collect_counts(result, config.data)
+        counts = collect_counts(result, config)
         _check_accounting(counts)
+        try:
+            check_rejects(counts, config)
+        except corpus.CorpusError as e:
+            kept = _keep_rejects(pending.tmp_uri, config)
+            raise corpus.CorpusError(f"{e}; nothing published, the rejects are in {kept}") from e
         pending.counts.update(counts)
         pending.metrics["split_sizes"] = {
             split: counts[f"kept.{split}"] for split in corpus.output_splits(config.data)}
@@ -214,10 +278,16 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     return artifact
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the stage alone; bad input is one line on stderr and exit status 2."""
     logs.configure()
-    config, beam_args = options.parse_args(argv, description=__doc__)
-    print(run(config, beam_args).uri)
+    try:
+        config, beam_args = options.parse_args(argv, description=__doc__)
+        print(run(config, beam_args).uri)
+    except (config_lib.ConfigError, corpus.CorpusError) as e:
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
@@ -225,4 +295,4 @@ if __name__ == "__main__":
     # refers to `pipelines.prepare.*`, which Dataflow workers can import.
     from pipelines import prepare
 
-    prepare.main()
+    sys.exit(prepare.main())

@@ -87,7 +87,7 @@ def test_clean_pair_length_filters_apply_to_train_only():
 
 
 def test_clean_pair_malformed():
-    raw = corpus.RawPair("train:000003", "train", b"a\tb\tc", b"", malformed=True)
+    raw = corpus.RawPair("train:000003", "train", b"a\tb\tc", b"", reason="malformed")
     assert corpus.clean_pair(raw, PREPARE) == corpus.Reject(
         "train:000003", "train", "malformed", "a\tb\tc", "")
 
@@ -127,14 +127,14 @@ def test_read_pairs_tsv_in_zip(tmp_path):
     spec = corpus.CorpusSpec("train", config)
     assert corpus.check_corpus(spec) == 4
     raws = list(corpus.read_pairs(spec))
-    assert [(r.source, r.target, r.malformed) for r in raws] == [
-        (b"Hi.", b"Hallo!", False), (b"Hi.", "Grüß Gott!".encode(), False),
-        (b"no tab", b"", True), (b"x\ty\tz", b"", True)]
+    assert [(r.source, r.target, r.reason) for r in raws] == [
+        (b"Hi.", b"Hallo!", None), (b"Hi.", "Grüß Gott!".encode(), None),
+        (b"no tab", b"", "malformed"), (b"x\ty\tz", b"", "malformed")]
     # Three columns, target first: the third column is ignored, two-column lines malformed.
     swapped = CorpusConfig(tsv=str(archive), member="deu.txt", tsv_columns=(1, 0),
                            tsv_num_columns=3)
     raws = list(corpus.read_pairs(corpus.CorpusSpec("train", swapped)))
-    assert [r.malformed for r in raws] == [True, True, True, False]
+    assert [r.reason for r in raws] == ["malformed", "malformed", "malformed", None]
     assert (raws[3].source, raws[3].target) == (b"y", b"x")
 
 
@@ -161,6 +161,125 @@ def test_check_corpus_missing_file(tmp_path):
         corpus.check_corpus(corpus.CorpusSpec("train", missing_member))
 
 
+# --- malformed files: one CorpusError naming the file and the cause, or a counted reject ---
+
+
+def _check(tmp_path, source: bytes, target: bytes = None, split="train"):
+    (tmp_path / "s").write_bytes(source)
+    (tmp_path / "t").write_bytes(source if target is None else target)
+    spec = corpus.CorpusSpec(split, CorpusConfig(source=str(tmp_path / "s"),
+                                                 target=str(tmp_path / "t")))
+    return corpus.check_corpus(spec)
+
+
+def test_a_truncated_or_bit_flipped_gzip_is_a_corpus_error(tmp_path):
+    blob = gzip.compress(b"".join(b"line %d of a corpus\n" % i for i in range(5000)))
+    deflate, crc = bytearray(blob), bytearray(blob)
+    deflate[12] ^= 0xFF  # the first block's code lengths
+    crc[len(blob) // 2] ^= 0x10  # decodes, to the wrong bytes
+    for name, damaged, cause in (
+            ("cut.gz", blob[:len(blob) // 2], "EOFError: Compressed file ended"),
+            ("deflate.gz", bytes(deflate), "zlib.error: Error -3 while decompressing"),
+            ("crc.gz", bytes(crc), "BadGzipFile: CRC check failed"),
+            ("header.gz", b"\x1f\x8b\x08" + b"\x00" * 20, "")):
+        path = tmp_path / name
+        path.write_bytes(damaged)
+        spec = corpus.CorpusSpec("train", CorpusConfig(source=str(path), target=str(path)))
+        with pytest.raises(corpus.CorpusError,
+                           match=f"data.train.source: cannot read .*{name}: {cause}"):
+            corpus.check_corpus(spec)
+
+
+def test_a_damaged_zip_is_a_corpus_error(tmp_path):
+    archive = tmp_path / "deu-eng.zip"
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("deu.txt", "".join(f"Hi {i}.\tHallo {i}!\n" for i in range(2000)))
+    blob = archive.read_bytes()
+    for name, damaged in (("cut.zip", blob[:len(blob) // 2]), ("junk.zip", b"PK" + blob[40:])):
+        (tmp_path / name).write_bytes(damaged)
+        spec = corpus.CorpusSpec("train", CorpusConfig(tsv=str(tmp_path / name), member="deu.txt"))
+        with pytest.raises(corpus.CorpusError, match=f"data.train: cannot read .*{name}"):
+            corpus.check_corpus(spec)
+
+
+def test_cr_only_line_endings_are_a_corpus_error_and_crlf_is_not(tmp_path):
+    with pytest.raises(corpus.CorpusError, match=r"data.test2016.source: .*s has CR-only "
+                                                 r"line endings \(3 CRs, 0 newlines\)"):
+        _check(tmp_path, b"A dog.\rA cat.\rA cow.\r", split="test2016")
+    assert _check(tmp_path, b"A dog.\r\nA cat.\r\nA stray\rCR.\r\n") == 3
+
+
+@pytest.mark.parametrize("text, encoding", [
+    ("A dog runs.\nEin Hund läuft.\n", "utf-16"),  # with a byte-order mark
+    ("A dog runs.\nEin Hund läuft.\n", "utf-16-le"),  # without: NUL bytes
+    ("A dog runs.\n", "utf-32"),
+])
+def test_utf16_and_utf32_files_are_a_corpus_error(tmp_path, text, encoding):
+    with pytest.raises(corpus.CorpusError, match=r"data.train.source: .* looks like UTF-"):
+        _check(tmp_path, text.encode(encoding))
+
+
+def test_an_empty_file_is_a_corpus_error(tmp_path):
+    with pytest.raises(corpus.CorpusError, match=r"data.dev: .*s is empty"):
+        _check(tmp_path, b"", split="dev")
+
+
+def test_latin1_lines_are_rejected_as_invalid_utf8(tmp_path):
+    spec = corpus.CorpusSpec("train", CorpusConfig(
+        source=_write(tmp_path / "s", [b"Stra\xdfe", b"Hund"]),
+        target=_write(tmp_path / "t", [b"street", b"dog"])))
+    assert corpus.check_corpus(spec) == 2
+    results = [corpus.clean_pair(raw, PREPARE) for raw in corpus.read_pairs(spec)]
+    assert results[0] == corpus.Reject("train:000000", "train", "invalid_utf8",
+                                       "Stra\\xdfe", "street")
+    assert isinstance(results[1], corpus.Pair)
+
+
+def test_an_oversized_line_is_rejected_with_its_start_and_the_next_lines_read(tmp_path):
+    long = b"x" * 5000
+    spec = corpus.CorpusSpec("train", CorpusConfig(
+        source=_write(tmp_path / "s.gz", [b"a", long, b"c" * 100 + b"\r", b"d"]),
+        target=_write(tmp_path / "t", [b"A", b"B", b"C", long + b"\r"])), max_line_bytes=100)
+    assert corpus.check_corpus(spec) == 4
+    raws = list(corpus.read_pairs(spec))
+    assert [r.reason for r in raws] == [None, "oversized", None, "oversized"]
+    assert raws[1].source == long[:corpus.SHOWN_BYTES] and raws[2].source == b"c" * 100
+    reject = corpus.clean_pair(raws[3], PREPARE)
+    assert (reject.id, reject.reason, reject.source) == ("train:000003", "oversized", "d")
+
+
+def test_a_50mb_line_is_read_under_a_memory_cap(tmp_path):
+    """A line with no newline is never held whole: reading stays far below its size."""
+    import tracemalloc
+
+    path = tmp_path / "one-line.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        for _ in range(50):
+            f.write(b"x" * (1 << 20))
+        f.write(b"\nshort\n")
+    tracemalloc.start()
+    lines = list(corpus.read_lines(str(path), max_bytes=1 << 16))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert [(len(line), oversized) for line, oversized in lines] == [
+        (corpus.SHOWN_BYTES, True), (5, False)]
+    assert peak < 8 << 20  # a few 1 MiB blocks, not the 50 MiB line
+
+
+def test_relative_and_env_var_locations_are_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PADIR_TEST_ROOT", str(tmp_path))
+    _write(tmp_path / "s.gz", [b"a"])
+    _write(tmp_path / "t", [b"b"])
+    with zipfile.ZipFile(tmp_path / "x.zip", "w") as z:
+        z.writestr("deu.txt", "a\tb\n")
+    for config in (CorpusConfig(source="s.gz", target="${PADIR_TEST_ROOT}/t"),
+                   CorpusConfig(tsv="x.zip", member="deu.txt")):
+        spec = corpus.CorpusSpec("train", config)
+        assert corpus.check_corpus(spec) == 1
+        assert [(r.source, r.target) for r in corpus.read_pairs(spec)] == [(b"a", b"b")]
+
+
 # --- splits ----------------------------------------------------------------------------
 
 
@@ -174,8 +293,9 @@ def test_output_splits_and_specs():
     given = _data(dev=CorpusConfig(tsv="d.tsv"), max_train_pairs=10,
                   test=(config_lib.TestSetConfig("test2016", CorpusConfig(tsv="t.tsv")),))
     assert corpus.output_splits(given) == ("train", "dev", "test2016")
-    assert [(s.split, s.limit) for s in corpus.corpus_specs(given)] == [
-        ("train", 10), ("dev", None), ("test2016", None)]
+    specs = corpus.corpus_specs(given, PrepareConfig(max_line_bytes=99))
+    assert [(s.split, s.limit, s.max_line_bytes) for s in specs] == [
+        ("train", 10, 99), ("dev", None, 99), ("test2016", None, 99)]
 
 
 def test_carve_split_is_deterministic_and_roughly_proportional():

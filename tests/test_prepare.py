@@ -2,6 +2,7 @@
 
 import gzip
 import pathlib
+import re
 import zipfile
 
 import apache_beam as beam
@@ -73,12 +74,13 @@ def crafted(tmp_path):
         (b"Hello world.", b"Hallo Welt."),  # 0 kept
         (b"Caf\xe9 au lait", b"Milchkaffee"),  # 1 invalid_utf8 (Latin-1 byte)
         (b" \t ", b"Leer"),  # 2 empty
-        (b"x" * 100_000, b"lang"),  # 3 too_long
+        (b"x" * 2000, b"lang"),  # 3 too_long
         (b"A short one here.", b"Ein sehr " * 10),  # 4 length_ratio (17 vs 89 chars)
         (b"Hello  world.", b"Hallo Welt.\t"),  # 5 duplicate of 0 after normalisation
         ("Hi\u2028".encode(), b"Hallo, wie geht es dir heute Abend?"),  # 6 kept: "Hi" < 10
         ("Cafe\u0301".encode(), "Kaffee\u200b\x85".encode()),  # 7 kept, normalised
         ("Caf\u00e9".encode(), b"Kaffee"),  # 8 duplicate of 7 (NFC)
+        (b"y" * 100_000, b"z"),  # 9 oversized: over prepare.max_line_bytes
     ]
     dev = [
         (b"Good morning.", b"Guten Morgen."),
@@ -86,7 +88,7 @@ def crafted(tmp_path):
         (b"x" * 2000, b"y"),  # kept: no length filters on dev
         (b"Hello world.", b"Hallo Welt."),  # kept: not de-duplicated against train
     ]
-    test = [(b"One.", b"Eins."), (b"One.", b"Eins."), (b"\xff\xfe", b"kaputt")]
+    test = [(b"One.", b"Eins."), (b"One.", b"Eins.")]
     files = {}
     for name, pairs, ext in [("train", train, ".gz"), ("dev", dev, ""), ("test", test, ".gz")]:
         files[name] = {
@@ -95,18 +97,21 @@ def crafted(tmp_path):
         }
     data = {"train": files["train"], "dev": files["dev"],
             "test": [{"name": "test2016", "corpus": files["test"]}]}
-    return _config(tmp_path, data, prepare={"num_shards": 2, "max_chars": 1000})
+    # 5 of the 10 train pairs are rejected for bad input: exactly the limit passes.
+    return _config(tmp_path, data, prepare={"num_shards": 2, "max_chars": 1000,
+                                            "max_line_bytes": 50_000})
 
 
 def test_run_counts_every_reason_exactly(crafted):
     artifact = prepare.run(crafted)
     counts = artifact.manifest["counts"]
     assert counts == {
-        "read.train": 9, "read.dev": 4, "read.test2016": 3,
+        "read.train": 10, "read.dev": 4, "read.test2016": 2,
         "kept.train": 3, "kept.dev": 3, "kept.test2016": 2,
-        "rejected.malformed": 0, "rejected.invalid_utf8": 2, "rejected.empty": 2,
-        "rejected.too_long": 1, "rejected.length_ratio": 1, "rejected.duplicate": 2,
-        "rejected_by_split.train.invalid_utf8": 1, "rejected_by_split.test2016.invalid_utf8": 1,
+        "rejected.malformed": 0, "rejected.oversized": 1, "rejected.invalid_utf8": 1,
+        "rejected.empty": 2, "rejected.too_long": 1, "rejected.length_ratio": 1,
+        "rejected.duplicate": 2, "rejected_by_split.train.oversized": 1,
+        "rejected_by_split.train.invalid_utf8": 1,
         "rejected_by_split.train.empty": 1, "rejected_by_split.dev.empty": 1,
         "rejected_by_split.train.too_long": 1, "rejected_by_split.train.length_ratio": 1,
         "rejected_by_split.train.duplicate": 2,
@@ -129,12 +134,10 @@ def test_run_counts_every_reason_exactly(crafted):
     assert {i: r["reason"] for i, r in rejects.items()} == {
         "train:000001": "invalid_utf8", "train:000002": "empty", "train:000003": "too_long",
         "train:000004": "length_ratio", "train:000005": "duplicate",
-        "train:000008": "duplicate", "dev:000001": "empty", "test2016:000002": "invalid_utf8"}
+        "train:000008": "duplicate", "train:000009": "oversized", "dev:000001": "empty"}
     assert rejects["train:000001"]["source"] == "Caf\\xe9 au lait"
-    assert rejects["test2016:000002"] == {"id": "test2016:000002", "split": "test2016",
-                                          "reason": "invalid_utf8", "source": "\\xff\\xfe",
-                                          "target": "kaputt"}
-    assert len(rejects["train:000003"]["source"]) == 100_000
+    assert len(rejects["train:000003"]["source"]) == 2000
+    assert rejects["train:000009"]["source"] == "y" * corpus.SHOWN_BYTES
 
     names = sorted(path.name for path in pathlib.Path(artifact.uri).iterdir())
     assert names == ["config.yaml", "dev-00000-of-00001.jsonl", "manifest.json",
@@ -151,6 +154,69 @@ def test_mismatched_files_fail_before_anything_is_written(tmp_path):
     assert source in str(error.value) and target in str(error.value)
     assert "3 lines" in str(error.value) and "2 lines" in str(error.value)
     assert not (tmp_path / "work").exists()
+
+
+def _published(config) -> list[str]:
+    """What a run left under <workdir>/prepare: never an artifact or a temporary directory."""
+    return sorted(p.name for p in pathlib.Path(config.workdir, "prepare").iterdir())
+
+
+def test_a_latin1_train_set_fails_with_its_rejects_kept_and_nothing_published(tmp_path):
+    german = [b"Stra\xdfe", b"M\xfcnchen", b"Gr\xfc\xdfe", b"Hund"]  # Latin-1
+    config = _config(tmp_path, {"train": {"source": _write(tmp_path / "de", german),
+                                          "target": _write(tmp_path / "en", german)}})
+    with pytest.raises(corpus.CorpusError) as error:
+        prepare.run(config)
+    rejects_uri = prepare.failed_rejects_uri(config)
+    assert str(error.value) == (
+        "data.train: 3 of 4 pairs rejected (75%, prepare.max_reject_fraction is 0.5): "
+        f"invalid_utf8 3; is the file UTF-8?; nothing published, the rejects are in "
+        f"{rejects_uri}")
+    assert _published(config) == [pathlib.Path(rejects_uri).name]
+    rejects = pathlib.Path(rejects_uri).read_text().splitlines()
+    assert len(rejects) == 3 and '"reason": "invalid_utf8"' in rejects[0]
+
+
+@pytest.mark.parametrize("test_lines, message", [
+    ([b"One.", b"\xff\xfe"], "data.test2016: 1 of 2 lines unusable (invalid_utf8 1)"),
+    ([b"One.", b"x" * 200], "data.test2016: 1 of 2 lines unusable (oversized 1)"),
+    ([b"", b" "], "data.test2016: none of its 2 lines is usable (empty 2)"),
+])
+def test_a_broken_test_set_fails_and_nothing_is_published(tmp_path, test_lines, message):
+    train = _write(tmp_path / "train", [b"Hello.", b"Hi."])
+    test = _write(tmp_path / "test", test_lines)
+    config = _config(tmp_path, {"train": {"source": train, "target": train},
+                                "test": [{"name": "test2016",
+                                          "corpus": {"source": test, "target": test}}]},
+                     prepare={"max_line_bytes": 100})
+    with pytest.raises(corpus.CorpusError, match=re.escape(message)):
+        prepare.run(config)
+    assert _published(config) == [pathlib.Path(prepare.failed_rejects_uri(config)).name]
+
+
+@pytest.mark.parametrize("source, message", [
+    (b"", "data.train: {source} is empty"),
+    (b"a\rb\rc\r", "data.train.source: {source} has CR-only line endings"),
+    (gzip.compress(b"a\nb\n")[:-12], "data.train.source: cannot read {source}: EOFError"),
+])
+def test_a_structural_problem_fails_before_anything_is_written(tmp_path, source, message):
+    path = tmp_path / ("train.gz" if source.startswith(b"\x1f") else "train")
+    path.write_bytes(source)
+    config = _config(tmp_path, {"train": {"source": str(path), "target": str(path)}})
+    with pytest.raises(corpus.CorpusError, match=re.escape(message.format(source=path))):
+        prepare.run(config)
+    assert not (tmp_path / "work").exists()
+
+
+def test_main_reports_bad_input_in_one_line(tmp_path, capsys):
+    config_path = tmp_path / "c.yaml"
+    config_path.write_text(f"workdir: {tmp_path / 'work'}\ndata: {{train: {{tsv: nope.tsv}}}}\n")
+    assert prepare.main(["--config", str(config_path)]) == 2
+    assert capsys.readouterr().err == "prepare: error: data.train: cannot read nope.tsv: " \
+                                      "no such file\n"
+    config_path.write_text("data: [\n")
+    assert prepare.main(["--config", str(config_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"prepare: error: {config_path}:2:1: invalid YAML")
 
 
 def test_interrupted_run_publishes_nothing(crafted, monkeypatch):
@@ -191,7 +257,7 @@ def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
                  "max_train_pairs": len(lines) - 1},
     }))
 
-    prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=3"])
+    assert prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=3"]) == 0
     uri = capsys.readouterr().out.strip().splitlines()[-1]
     counts = artifacts.read(uri).manifest["counts"]
     assert counts["read.train"] == len(lines) - 1
