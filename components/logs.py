@@ -25,12 +25,13 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(DROPPED_MESSAGES)
 
 
-def configure() -> None:
-    """INFO to stderr, with the noisy libraries above at WARNING and the messages above
+def configure(level: int = logging.INFO) -> None:
+    """`level` (INFO; DEBUG with `padir --debug`, which adds each stage's whole resolved
+    config) to stderr, with the noisy libraries above at WARNING and the messages above
     dropped."""
-    logging.basicConfig(level=logging.INFO, format=FORMAT)
+    logging.basicConfig(level=level, format=FORMAT)
     root = logging.getLogger()
-    root.setLevel(logging.INFO)  # also when something configured it first
+    root.setLevel(level)  # also when something configured it first
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in root.handlers:

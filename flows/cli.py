@@ -1,14 +1,21 @@
-"""The `padir` command line: thin wrappers that parse and call one library function."""
+"""The `padir` command line: thin wrappers that parse and call one library function.
+
+Bad input (a config, a corpus, a missing artifact) ends in one line on stderr naming the
+file, line or key and the cause, and exit status 2; `--debug` shows the traceback instead,
+and DEBUG logs (the whole resolved config of each stage).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import logging
 import os
 import sys
-from typing import Sequence
+from typing import Any, BinaryIO, Sequence, TextIO
 
-from components import artifacts, logs
+from components import artifacts, corpus, logs
 from components import config as config_lib
 from components.corpus import CorpusError
 from flows import local_api
@@ -55,6 +62,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="padir", description=__doc__)
+    parser.add_argument("--debug", action="store_true",
+                        help="tracebacks instead of one-line errors, and DEBUG logs")
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
@@ -188,12 +197,14 @@ PIPELINE_COMMANDS = {"run": _run_pipeline, "status": _print_status, "serve": _se
 def _add_translate_command(commands) -> None:
     translate = commands.add_parser(
         "translate", help="translate stdin line by line with a teacher or train artifact",
-        description="Reads sentences from stdin, prints one translation per line. Options a "
-                    "method does not use are an error; unset ones take the defaults of "
-                    "components.config.DecodeMethod.")
+        description="Reads UTF-8 sentences from stdin, prints exactly one translation per "
+                    "line. A line that is not UTF-8 gets an empty output line; it and a "
+                    "source cut to the widest length bucket are reported on stderr, and the "
+                    "first makes the exit status 1. Options a method does not use are an "
+                    "error; unset ones take the defaults of components.config.DecodeMethod.")
     translate.add_argument("--checkpoint", required=True, metavar="DIR",
-                           help="a published teacher or train artifact, e.g. "
-                                "work/multi30k_en_de/train/<key>")
+                           help="a published teacher or train artifact, relative or absolute, "
+                                "e.g. work/multi30k_en_de/train/<key>")
     translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
                            help="default: padir for a train artifact, ar_beam for a teacher")
     translate.add_argument("--iterations", type=int, help="padir, mask_predict")
@@ -215,10 +226,20 @@ TRANSLATE_OPTIONS = ("iterations", "beam_size", "length_penalty", "num_length_ca
                      "length_offsets", "init", "tokens_per_step", "criterion")
 
 
-def _translate(args: argparse.Namespace) -> int:
+def absolute(uri: str) -> str:
+    """A user-given local path made absolute (orbax refuses relative checkpoint paths)."""
+    return uri if "://" in uri else os.path.abspath(uri)
+
+
+def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: int) -> Any:
     from model import inference  # JAX: only for this command
 
-    stage = artifacts.read(args.checkpoint).stage
+    return inference.Translator(inference.load(checkpoint), method, batch_size=batch_size)
+
+
+def _translate(args: argparse.Namespace) -> int:
+    checkpoint = absolute(args.checkpoint)
+    stage = artifacts.read(checkpoint).stage
     kind = args.method or ("ar_beam" if stage == "teacher" else "padir")
     options = {name: getattr(args, name) for name in TRANSLATE_OPTIONS
                if getattr(args, name) is not None}
@@ -226,10 +247,74 @@ def _translate(args: argparse.Namespace) -> int:
     if method.stage != stage:  # before the checkpoint is restored
         raise config_lib.ConfigError(f"--method {kind} decodes with a {method.stage!r} "
                                      f"artifact; {args.checkpoint} is a {stage!r} one")
-    for line in inference.translate_lines(args.checkpoint, method, sys.stdin,
-                                          batch_size=args.batch_size):
-        print(line, flush=True)
-    return 0
+    if args.batch_size < 1:
+        raise config_lib.ConfigError(f"--batch-size: must be >= 1, got {args.batch_size}")
+    translator = _translator(checkpoint, method, args.batch_size)
+    return translate_stream(translator, sys.stdin.buffer, sys.stdout, sys.stderr,
+                            batch_size=args.batch_size).exit_status
+
+
+@dataclasses.dataclass
+class TranslateCounts:
+    """What `translate_stream` read and reported (the summary line on stderr)."""
+
+    lines: int = 0
+    not_utf8: int = 0  # given an empty output line
+    truncated: int = 0  # translated from the source cut to the widest bucket
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if self.not_utf8 or not self.lines else 0
+
+
+def translate_stream(translator: Any, stdin: BinaryIO, out: TextIO, err: TextIO, *,
+                     batch_size: int) -> TranslateCounts:
+    """Translates `stdin` to `out`, exactly one line per input line, `batch_size` at a time
+    (a stream is translated as it arrives).
+
+    Input is read as bytes, so that a line that is not UTF-8 costs only its own output
+    line (left empty), not the lines after it. Lines are normalised as the prepare stage
+    normalises sources; one that is then empty gives an empty line. Line breaks inside a
+    hypothesis (byte-fallback pieces can decode to one) become spaces.
+    """
+    counts = TranslateCounts()
+    pending: list[str | None] = []  # None: not UTF-8
+
+    def flush() -> None:
+        texts = [text for text in pending if text]
+        translated = iter(translator.translate(texts) if texts else ())
+        first = counts.lines - len(pending) + 1
+        for number, text in enumerate(pending, first):
+            if not text:
+                print("", file=out)
+                continue
+            translation = next(translated)
+            if translation.truncated:
+                counts.truncated += 1
+                print(f"padir translate: line {number}: the source was cut to "
+                      f"{translation.source_tokens} tokens (the widest length bucket)", file=err)
+            print(" ".join(translation.hypothesis.splitlines()), file=out)
+        out.flush()
+        pending.clear()
+
+    for raw in stdin:
+        counts.lines += 1
+        try:
+            pending.append(corpus.normalise(raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")))
+        except UnicodeDecodeError as e:
+            counts.not_utf8 += 1
+            pending.append(None)
+            print(f"padir translate: line {counts.lines}: not UTF-8 ({e.reason} at byte "
+                  f"{e.start}); its output line is left empty", file=err)
+        if len(pending) == batch_size:
+            flush()
+    flush()
+    if not counts.lines:
+        print("padir translate: no input: stdin was empty", file=err)
+    elif counts.not_utf8 or counts.truncated:
+        print(f"padir translate: {counts.lines} lines, {counts.not_utf8} not UTF-8 (left "
+              f"empty), {counts.truncated} cut to the widest bucket", file=err)
+    return counts
 
 
 # --- `padir theory`: the paper's Ising experiments (model/ising_experiments.py) ---------------
@@ -257,16 +342,12 @@ def _theory(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    logs.configure()
+    logs.configure(logging.DEBUG if args.debug else logging.INFO)
     try:
-        if args.command == "translate":
+        if args.command in ("translate", "theory"):
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            return _translate(args)
-        if args.command == "theory":
-            if extra:
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            return _theory(args)
+            return _translate(args) if args.command == "translate" else _theory(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
             artifact = run_stage(args.name, config, beam_args=extra)
@@ -276,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             return PIPELINE_COMMANDS[args.command](args, config)
     except USER_ERRORS as e:
+        if args.debug:
+            raise
         parser.exit(2, f"padir: error: {e}\n")
     except artifacts.StageStopped as e:
         parser.exit(3, f"padir: {e}\n")

@@ -17,3 +17,13 @@ def test_configure_quiets_noisy_libraries_and_drops_known_false_warnings():
                                      "levelno": logging.WARNING})
     kept = logging.makeLogRecord({"msg": "decode: wrote ...", "levelno": logging.INFO})
     assert [logs._DropMessages().filter(r) for r in (dropped, kept)] == [False, True]
+
+
+def test_configure_debug_lowers_the_project_level_only():
+    try:
+        logs.configure(logging.DEBUG)
+        assert logging.getLogger().level == logging.DEBUG
+        assert logging.getLogger("httpx").level == logging.WARNING
+    finally:
+        logs.configure()
+    assert logging.getLogger().level == logging.INFO

@@ -1,0 +1,112 @@
+"""flows/cli.py: one line per bad input, `--debug`, and `padir translate`'s line contract."""
+
+import dataclasses
+import io
+import json
+import sys
+
+import pytest
+
+from components import config as config_lib
+from flows import cli
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTranslation:
+    hypothesis: str
+    truncated: bool = False
+    source_tokens: int = 3
+
+
+class FakeTranslator:
+    """Upper-cases; 'LONG' sources come back truncated, 'NL' ones with line breaks."""
+
+    def __init__(self):
+        self.batches = []
+
+    def translate(self, sources):
+        self.batches.append(list(sources))
+        return [FakeTranslation(s.upper().replace("NL", "a\nb\r\nc\u2028d"),
+                                truncated="LONG" in s.upper(), source_tokens=64)
+                for s in sources]
+
+
+def _stream(data: bytes, batch_size=2):
+    translator, out, err = FakeTranslator(), io.StringIO(), io.StringIO()
+    counts = cli.translate_stream(translator, io.BytesIO(data), out, err, batch_size=batch_size)
+    return counts, out.getvalue(), err.getvalue(), translator
+
+
+def test_translate_writes_one_line_per_input_line_and_reports_on_stderr():
+    data = b"a dog\n\xff\xfe broken\n  \nlong one\r\nnl here\nlast, no newline"
+    counts, out, err, translator = _stream(data)
+    assert out.splitlines() == ["A DOG", "", "", "LONG ONE", "a b c d HERE", "LAST, NO NEWLINE"]
+    assert out.count("\n") == 6
+    assert translator.batches == [["a dog"], ["long one"], ["nl here", "last, no newline"]]
+    assert err.splitlines() == [
+        "padir translate: line 2: not UTF-8 (invalid start byte at byte 0); its output line "
+        "is left empty",
+        "padir translate: line 4: the source was cut to 64 tokens (the widest length bucket)",
+        "padir translate: 6 lines, 1 not UTF-8 (left empty), 1 cut to the widest bucket",
+    ]
+    assert (counts.lines, counts.not_utf8, counts.truncated, counts.exit_status) == (6, 1, 1, 1)
+
+
+def test_translate_clean_input_is_silent_and_succeeds():
+    counts, out, err, _ = _stream(b"one\ntwo\nthree\n")
+    assert (out, err, counts.exit_status) == ("ONE\nTWO\nTHREE\n", "", 0)
+
+
+def test_translate_empty_stdin_fails_with_one_line():
+    counts, out, err, translator = _stream(b"")
+    assert (out, counts.exit_status, translator.batches) == ("", 1, [])
+    assert err == "padir translate: no input: stdin was empty\n"
+
+
+def _artifact(directory, stage="train"):
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text(json.dumps({"stage": stage, "key": "k"}))
+
+
+def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
+    _artifact(tmp_path / "work" / "train" / "k")
+    monkeypatch.chdir(tmp_path)
+    loaded = []
+
+    def fake_translator(checkpoint, method, batch_size):
+        loaded.append((checkpoint, method.kind, batch_size))
+        return FakeTranslator()
+
+    monkeypatch.setattr(cli, "_translator", fake_translator)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    assert cli.main(["translate", "--checkpoint", "work/train/k", "--batch-size", "4"]) == 0
+    assert loaded == [(str(tmp_path / "work" / "train" / "k"), "padir", 4)]
+    assert capsys.readouterr().out == "HELLO\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["translate", "--checkpoint", "nowhere"], "nowhere is not a complete artifact"),
+    (["translate", "--checkpoint", "work/train/k", "--method", "ar_beam"],
+     "--method ar_beam decodes with a 'teacher' artifact; work/train/k is a 'train' one"),
+    (["translate", "--checkpoint", "work/train/k", "--beam-size", "3"],
+     "'beam_size' does not apply to kind padir"),
+    (["status", "missing.yaml"], "missing.yaml: no such config file"),
+    (["status", "bad.yaml"], "bad.yaml:2:1: invalid YAML"),
+    (["status", "ok.yaml", "--set", "seed=["], "--set seed: the value is not valid YAML"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, argv, message):
+    _artifact(tmp_path / "work" / "train" / "k")
+    (tmp_path / "bad.yaml").write_text("seed: [\n")
+    (tmp_path / "ok.yaml").write_text("data: {train: {tsv: x.tsv}}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert err.startswith("padir: error: ") and message in err and err.count("\n") == 1
+
+
+def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(config_lib.ConfigError, match="missing.yaml: no such config file"):
+        cli.main(["--debug", "status", "missing.yaml"])
