@@ -21,4 +21,11 @@ RUN pip install --no-cache-dir --constraint constraints.txt . \
 assert apache_beam.__version__ == '2.77.0', apache_beam.__version__; \
 import pipelines.prepare, pipelines.vocab, pipelines.encode, pipelines.distill, \
 pipelines.decode, model.inference"
+# Workers run as an unprivileged user: the code and site-packages stay root-owned and
+# read-only to it. Beam's boot script only writes under /tmp (its semi-persistent directory)
+# and HOME; nothing is installed at start-up, since the SDK and every dependency are in the
+# image (--sdk_location=container, no requirements file).
+RUN useradd --create-home --uid 10001 --user-group padir
+USER padir
+ENV HOME=/home/padir
 # The entrypoint stays Beam's boot script (inherited from the base image).

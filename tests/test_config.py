@@ -269,3 +269,10 @@ def test_a_type_error_never_echoes_the_whole_value(tmp_path):
     with pytest.raises(ConfigError, match=r"prepare.max_chars: expected an integer") as error:
         config_lib.from_dict(config_lib.Config, {**BASE, "prepare": {"max_chars": bomb}})
     assert len(str(error.value)) < 200
+
+
+def test_the_dataflow_overlay_carries_the_runinference_flags(monkeypatch):
+    monkeypatch.setenv("PADIR_DATA_ROOT", "gs://b/data")
+    options = config_lib.load("configs/overlays/dataflow.yaml").beam.options
+    assert {"--experiments=no_use_multiple_sdk_containers",
+            "--number_of_worker_harness_threads=1", "--sdk_location=container"} <= set(options)
