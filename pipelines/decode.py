@@ -272,7 +272,8 @@ def _read_records(uri: str) -> list[dict]:
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Decodes every test set with every method; publishes the decode artifact."""
-    logging.info("decode stage, config:\n%s", config_lib.dump(config))
+    logging.info("decode: %s", config_lib.summary(config, dag.STAGES["decode"].sections))
+    logging.debug("decode: resolved config\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     for split in decoded_splits(config.data):  # structural errors before any work starts
         fs, pattern = artifacts.filesystem(corpus.split_pattern(prepared.uri, split))

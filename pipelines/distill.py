@@ -209,7 +209,8 @@ def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, int]) -> No
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Translates the prepared train split with the teacher; publishes the distill artifact."""
-    logging.info("distill stage, config:\n%s", config_lib.dump(config))
+    logging.info("distill: %s", config_lib.summary(config, dag.STAGES["distill"].sections))
+    logging.debug("distill: resolved config\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     teacher = dag.require_input(config, "teacher")
     shards = {split: artifacts.glob(corpus.split_pattern(prepared.uri, split))

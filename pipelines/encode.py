@@ -244,7 +244,8 @@ def run_distilled(config: config_lib.Config,
 
 
 def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> artifacts.Artifact:
-    logging.info("%s stage, config:\n%s", stage, config_lib.dump(config))
+    logging.info("%s: %s", stage, config_lib.summary(config, dag.STAGES[stage].sections))
+    logging.debug("%s: resolved config\n%s", stage, config_lib.dump(config))
     pairs = dag.require_input(config, PAIRS[stage])
     vocab = dag.require_input(config, "vocab")
     inputs = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}

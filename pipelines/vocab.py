@@ -265,7 +265,8 @@ def _fetch(uri: str, local_path: str) -> None:
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the vocab artifact from the complete prepare artifact; returns it."""
-    logging.info("vocab stage, config:\n%s", config_lib.dump(config))
+    logging.info("vocab: %s", config_lib.summary(config, dag.STAGES["vocab"].sections))
+    logging.debug("vocab: resolved config\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     train_pattern = prepared.path("train-*.jsonl")
     if not _glob(train_pattern):
