@@ -179,6 +179,9 @@ def serve(config_path: str, overrides: Sequence[str] = (), *, name: str, cron: s
     """Registers a deployment of the flow on a cron schedule and executes its runs (blocks).
 
     Needs a Prefect server (`prefect server start --host 127.0.0.1`) and PREFECT_API_URL.
+    One run of the deployment at a time: a scheduled run that comes due while the previous
+    one still runs waits for it (the server's deployment concurrency limit, enqueueing),
+    rather than racing it for the same artifact keys (whose leases would fail it).
     """
     from prefect.settings import PREFECT_API_URL
 
@@ -188,4 +191,4 @@ def serve(config_path: str, overrides: Sequence[str] = (), *, name: str, cron: s
             "and set PREFECT_API_URL=http://127.0.0.1:4200/api")
     parameters = dict(config_path=os.path.abspath(config_path), overrides=list(overrides),
                       from_stage=from_stage, only=only, force=list(force))
-    padir_pipeline.serve(name=name, cron=cron, parameters=parameters)
+    padir_pipeline.serve(name=name, cron=cron, parameters=parameters, global_limit=1)

@@ -16,9 +16,18 @@ Restore order, used by `model.train.train`:
   2. else an explicit init checkpoint (phase 2 starts from phase 1): its latest step's
      params and data position only; step, optimizer state and RNG start fresh;
   3. else scratch.
-A latest step that cannot be read, or whose arrays do not match the fingerprint written with
-them, is logged as an error naming the step, moved aside to `<dir>/corrupt-<step>-<time>`,
-and the previous step is restored instead; if no step is readable the restore fails.
+Restore failures are told apart, and all processes agree on each verdict:
+  - a transient storage error (a timeout, UNAVAILABLE) is retried, and if it persists is
+    an error: the checkpoints are fine, the storage is not;
+  - a state structure other than this run's (the model or optimizer config changed) is an
+    error naming both structures, before any array is read;
+  - only a step that fails its own integrity check (files that do not decode, arrays that do
+    not match the fingerprint written with them) is corrupt: it is logged as an error naming
+    the step, and once an older step restored, moved aside to `<dir>/corrupt-<step>-<time>`.
+    If no step is readable the restore fails and nothing is moved, so a run never silently
+    starts from scratch.
+The data position is saved with the global batch sizes it counts in and the process count;
+a run with other batch sizes refuses to continue from it (`Position.resume_at`).
 Arrays are restored onto the shardings of the abstract target, so a checkpoint written on
 one mesh restores on another.
 """
@@ -26,11 +35,13 @@ one mesh restores on another.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +59,11 @@ BEST_MODES = {"bleu": "max", "loss": "min"}
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was required."""
+
+
+TRANSIENT_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED")
+RETRY_DELAYS = (1.0, 4.0, 16.0)  # seconds before each retry of a transient storage error
+OK, CORRUPT, STORAGE = 0, 1, 2  # a process's verdict on one step (the worst one wins)
 
 
 def open_manager(
@@ -121,22 +137,44 @@ def _split(state: Any) -> tuple[Any, dict[str, Any]]:
     return state.params, {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
 
 
+def structure(tree: Any) -> dict[str, Any]:
+    """A summary of a state's structure: array count, parameter count and a digest of every
+    array's path, shape and dtype (what a restore needs to match)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    described = [(jax.tree_util.keystr(path), tuple(leaf.shape), str(leaf.dtype))
+                 for path, leaf in leaves]
+    return {
+        "arrays": len(described),
+        "values": int(sum(np.prod(shape, dtype=np.int64) for _, shape, _ in described)),
+        "digest": hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16],
+    }
+
+
 def save(
     manager: ocp.CheckpointManager,
     state: Any,
     *,
     position: int,
+    batch_sizes: Optional[Sequence[int]] = None,
     metrics: Optional[dict[str, float]] = None,
 ) -> None:
     """Starts an asynchronous save of `state` (a TrainState) at its step.
 
     Args:
       position: the data position after this step (where a resumed run continues).
+      batch_sizes: the global rows per bucket that `position` counts batches of.
       metrics: dev metrics of this step, if it was evaluated (for best-checkpoint retention).
     """
     step = int(state.step)
     params, train = _split(state)
-    data = {"step": step, "position": int(position), "fingerprint": fingerprint((params, train))}
+    data = {
+        "step": step,
+        "position": int(position),
+        "batch_sizes": None if batch_sizes is None else [int(b) for b in batch_sizes],
+        "process_count": jax.process_count(),
+        "fingerprint": fingerprint((params, train)),
+        "structure": structure((params, train)),
+    }
     manager.save(
         step,
         args=ocp.args.Composite(
@@ -152,9 +190,47 @@ def save(
 
 
 @dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a run's data stream continues: `batches` global batches in, of `batch_sizes`
+    rows per bucket, read by `process_count` processes (None: an older checkpoint)."""
+
+    batches: int
+    batch_sizes: Optional[tuple[int, ...]]
+    process_count: Optional[int]
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> "Position":
+        sizes = data.get("batch_sizes")
+        return cls(int(data["position"]), None if sizes is None else tuple(sizes),
+                   data.get("process_count"))
+
+    def resume_at(self, batch_sizes: Sequence[int], where: str) -> int:
+        """The position to continue at with global batches of `batch_sizes` rows.
+
+        The stream's order depends on the global batch sizes only: another process count
+        with the same global batches continues exactly; other batch sizes would continue
+        elsewhere in another order, so they are refused.
+        """
+        batch_sizes = tuple(int(b) for b in batch_sizes)
+        if self.batch_sizes is None:
+            log.warning("%s: data position %d has no recorded batch sizes; assuming %s",
+                        where, self.batches, batch_sizes)
+        elif self.batch_sizes != batch_sizes:
+            raise CheckpointError(
+                f"{where}: its data position {self.batches} counts global batches of "
+                f"{list(self.batch_sizes)} rows per bucket ({self.process_count} processes), "
+                f"this run batches {list(batch_sizes)} rows ({jax.process_count()} processes): "
+                "the position would point elsewhere in another order. Resume with the same "
+                "global batch sizes (loop.tokens_per_batch, and a device count they divide "
+                "by), or start a fresh run in another workdir"
+            )
+        return self.batches
+
+
+@dataclasses.dataclass(frozen=True)
 class Restored:
     state: Any
-    position: int
+    position: Position
     step: int
 
 
@@ -165,50 +241,110 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optio
       abstract_state: a TrainState of ShapeDtypeStructs carrying the target shardings.
 
     Raises:
-      CheckpointError: steps exist but none of them is readable.
+      CheckpointError: the state structure differs, the storage keeps failing, or steps
+        exist but none of them is readable (see the module docstring).
     """
     params, train = _split(abstract_state)
-    tried = []
+    expected = structure((params, train))
+    corrupt: dict[int, str] = {}
     for step in sorted(manager.all_steps(), reverse=True):
-        tried.append(step)
-        try:
-            restored = manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    **{
-                        PARAMS: ocp.args.StandardRestore(params),
-                        TRAIN: ocp.args.StandardRestore(train),
-                        DATA: ocp.args.JsonRestore(),
-                    }
-                ),
-            )
-            data = restored[DATA]
-            got = fingerprint((restored[PARAMS], restored[TRAIN]))
-            if data["step"] != step or int(restored[TRAIN]["step"]) != step:
-                raise CheckpointError(f"step mismatch: data says {data['step']}")
-            if got != data["fingerprint"]:
-                raise CheckpointError(
-                    f"array contents do not match their fingerprint "
-                    f"({got} != {data['fingerprint']})"
-                )
-        except Exception as e:  # noqa: BLE001 - any failure to read means: use an older step
-            log.error(
-                "checkpoint at step %d in %s is corrupted or unreadable (%s: %s); "
-                "falling back to the previous checkpoint",
-                step, manager.directory, type(e).__name__, str(e)[:500],
-            )
-            _quarantine(manager, step)
+        verdict, data = _agree_on(
+            manager, step, lambda: manager.restore(step, args=ocp.args.Composite(
+                **{DATA: ocp.args.JsonRestore()}))[DATA])
+        if verdict == CORRUPT:
+            corrupt[step] = _corrupted(manager, step, data)
             continue
+        saved = data.get("structure")
+        if saved is not None and saved != expected:
+            raise CheckpointError(
+                f"step {step} in {manager.directory} holds another state structure than this "
+                f"run's ({saved['arrays']} arrays, {saved['values']} values there; "
+                f"{expected['arrays']} arrays, {expected['values']} values here): the model or "
+                "optimizer config changed. Restore that config, or train in a fresh workdir"
+            )
+        verdict, restored = _agree_on(
+            manager, step, lambda: manager.restore(step, args=ocp.args.Composite(
+                **{PARAMS: ocp.args.StandardRestore(params),
+                   TRAIN: ocp.args.StandardRestore(train)})))
+        if verdict == OK:
+            got = fingerprint((restored[PARAMS], restored[TRAIN]))  # all processes, together
+            if data["step"] != step or int(restored[TRAIN]["step"]) != step:
+                verdict, restored = CORRUPT, f"step mismatch: data says {data['step']}"
+            elif got != data["fingerprint"]:
+                verdict, restored = CORRUPT, (f"array contents do not match their fingerprint "
+                                              f"({got} != {data['fingerprint']})")
+        if verdict == CORRUPT:
+            corrupt[step] = _corrupted(manager, step, restored)
+            continue
+        for bad in corrupt:
+            _quarantine(manager, bad)
         state = abstract_state.replace(
             step=restored[TRAIN]["step"],
             params=restored[PARAMS],
             opt_state=restored[TRAIN]["opt_state"],
             rng=restored[TRAIN]["rng"],
         )
-        return Restored(state=state, position=int(data["position"]), step=step)
-    if tried:
-        raise CheckpointError(f"no readable checkpoint in {manager.directory}: tried steps {tried}")
+        return Restored(state=state, position=Position.from_data(data), step=step)
+    if corrupt:
+        raise CheckpointError(
+            f"no readable checkpoint in {manager.directory} (none was moved aside): "
+            + "; ".join(f"step {step}: {why}" for step, why in corrupt.items())
+        )
     return None
+
+
+def _corrupted(manager: ocp.CheckpointManager, step: int, why: str) -> str:
+    log.error("checkpoint at step %d in %s is corrupted (%s); trying the previous one",
+              step, manager.directory, why)
+    return why
+
+
+def _agree_on(
+    manager: ocp.CheckpointManager, step: int, read: Callable[[], Any]
+) -> tuple[int, Any]:
+    """(OK, what `read` returned) or (CORRUPT, why), the same verdict on every process.
+
+    Transient storage errors are retried (`RETRY_DELAYS`); one that persists on any
+    process is a CheckpointError on all of them, never a verdict of corruption.
+    """
+    verdict, result = OK, None
+    for delay in (*RETRY_DELAYS, None):
+        try:
+            result = read()
+            verdict = OK
+            break
+        except Exception as e:  # noqa: BLE001 - classified below; the cause is kept
+            why = f"{type(e).__name__}: {str(e)[:500]}"
+            if not _is_transient(e):
+                verdict, result = CORRUPT, why
+                break
+            verdict, result = STORAGE, why
+            if delay is not None:
+                log.warning("step %d in %s: transient storage error (%s); retrying in %.0f s",
+                            step, manager.directory, why, delay)
+                time.sleep(delay)
+    worst = _worst(verdict)
+    if worst == STORAGE:
+        raise CheckpointError(
+            f"cannot read step {step} in {manager.directory}: the storage keeps failing "
+            f"({result if verdict == STORAGE else 'on another process'}); the checkpoint "
+            "itself may be fine: retry when the storage recovers"
+        )
+    if worst == CORRUPT and verdict == OK:
+        return CORRUPT, "unreadable on another process"
+    return worst, result
+
+
+def _is_transient(e: Exception) -> bool:
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        status in str(e) for status in TRANSIENT_STATUSES)
+
+
+def _worst(verdict: int) -> int:
+    """The worst verdict over all processes."""
+    if jax.process_count() == 1:
+        return verdict
+    return int(np.max(multihost_utils.process_allgather(np.asarray(verdict, dtype=np.int32))))
 
 
 def _quarantine(manager: ocp.CheckpointManager, step: int) -> None:
@@ -266,7 +402,7 @@ def restore_params(
             ) from e
     finally:
         manager.close()
-    return restored[PARAMS], int(restored[DATA]["position"]), step
+    return restored[PARAMS], Position.from_data(restored[DATA]), step
 
 
 class StopSignal:

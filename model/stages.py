@@ -10,10 +10,16 @@ Contract:
           (orbax; the student's in `checkpoints/phase1` and `checkpoints/phase2`),
           `tensorboard/`, and a manifest with the final dev metrics.
 
-Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`), so a run
-that is killed, preempted (SIGTERM) or crashes resumes exactly from its last checkpoint
-when the stage is run again; the artifact is published only when training finished or
-its time budget (`loop.max_minutes`) ran out.
+Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`) under the
+key's lease, so a run that is killed, preempted (SIGTERM) or crashes resumes exactly from its
+last checkpoint when the stage is run again, and a second run of the key fails naming the
+first; the artifact is published only when training finished or its time budget
+(`loop.max_minutes`) ran out.
+
+With `mesh.distributed: true` every host runs the same command: `jax.distributed.initialize`
+comes first, before anything touches the JAX backend; all processes train and write the
+checkpoints together; process 0 alone takes the lease and publishes, after a barrier that
+every process reaches once its checkpoint writes finished.
 
     padir stage teacher configs/multi30k_en_de.yaml
     padir stage train configs/multi30k_en_de.yaml
@@ -28,11 +34,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from components import artifacts, corpus, dag, input_pipeline, metrics
 from components import config as config_lib
 from components.tokenizer import MODEL_FILE, Tokenizer
-from model import inference, train
+from model import inference, sharding, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ class TrainingData:
     """What the loop reads: resumable train batches, dev batches and their references."""
 
     batches: train.BatchSource
+    batch_sizes: tuple[int, ...]  # global rows per length bucket (what positions count)
     dev_batches: list[dict]
     references: list[str]  # raw dev targets, one per non-padding dev row, in row order
     detokenize: Callable[[Sequence[int]], str]
@@ -57,7 +65,8 @@ def load_tokenizer(config: config_lib.Config) -> Tokenizer:
 
 def training_data(config: config_lib.Config, stage: str, tokenizer: Tokenizer) -> TrainingData:
     """The data of training stage `stage` ("teacher" or "train"): bucketed batches of about
-    `loop.tokens_per_batch` tokens of its encode artifact, split across processes."""
+    `loop.tokens_per_batch` tokens of its encode artifact, split across processes.
+    Reads the JAX backend: `jax.distributed.initialize` must have run."""
     loop = config.section(stage).loop
     encoded = dag.require_input(config, "encode" if stage == "teacher"
                                 else dag.student_data(config))
@@ -79,7 +88,8 @@ def training_data(config: config_lib.Config, stage: str, tokenizer: Tokenizer) -
     references = [targets[pair_id] for pair_id in dev_ids if pair_id]
     log.info("%s: %d train batches per epoch (rows per bucket %s), %d dev sentences",
              config.workdir, stream.batches_per_epoch, batch_sizes, len(references))
-    return TrainingData(stream.batches, dev_batches, references, tokenizer.decode)
+    return TrainingData(stream.batches, tuple(batch_sizes), dev_batches, references,
+                        tokenizer.decode)
 
 
 def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
@@ -93,7 +103,9 @@ def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel
 
 
 def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artifact:
-    """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact."""
+    """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact,
+    published by process 0 once every process is done (see the module docstring)."""
+    sharding.initialize_distributed(config.mesh)  # before anything initialises the backend
     log.info("%s: resolved config\n%s", stage, config_lib.dump(config))
     tokenizer = load_tokenizer(config)
     # Checked before the partial directory exists: a missing input leaves nothing behind.
@@ -101,9 +113,10 @@ def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artif
     with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
                          config=dag.section_values(config, stage),
                          config_yaml=config_lib.dump(config), inputs=inputs,
-                         resumable=True) as pending:
+                         resumable=True, publisher=jax.process_index() == 0) as pending:
         data = training_data(config, stage, tokenizer)
         result = train_fn(pending, data, tokenizer)
+        _barrier(f"{stage}: every process trained and saved")
         if not result.completed and result.stop_reason != "time budget":
             raise artifacts.StageStopped(
                 f"{stage} stopped at step {int(result.state.step)} ({result.stop_reason}); "
@@ -112,9 +125,15 @@ def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artif
                               vocab_size=tokenizer.vocab_size)
         pending.metrics.update(dev=result.dev_metrics or {}, stop_reason=result.stop_reason,
                                parameters=_count_parameters(result.state.params))
+    _barrier(f"{stage}: published")
     artifact = artifacts.read(dag.output_uri(config, stage))
     log.info("%s: wrote %s %s", stage, artifact.uri, artifact.manifest["metrics"])
     return artifact
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _count_parameters(params: Any) -> int:
@@ -128,8 +147,8 @@ def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
         model = teacher_model(config, tokenizer)
         result = train.train_teacher(
             model, data.batches, data.dev_batches, config.teacher,
-            config.mesh, checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
-            log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
+            config.mesh, batch_sizes=data.batch_sizes, checkpoint_dir=pending.path("checkpoints"),
+            seed=config.seed, log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
             references=data.references)
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = _final_dev_bleu(
@@ -141,7 +160,10 @@ def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
 
 def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
                     data: TrainingData) -> dict[str, Any]:
-    """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search."""
+    """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search.
+
+    Every process decodes its slice of the dev rows with the whole parameters on its own
+    device; the slices are gathered, so every process scores the whole dev set."""
     params, _ = inference.restore(model, checkpoint_dir, best_metric)
     searches = {
         "greedy": jax.jit(model.predict_batch),
@@ -154,8 +176,12 @@ def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
         for batch in data.dev_batches:
             output = search(params, batch)
             tokens = np.asarray(output[0] if isinstance(output, tuple) else output)
+            sources = batch["source"]
+            if jax.process_count() > 1:
+                tokens, sources = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                                   for x in (tokens, sources))
             hypotheses += [data.detokenize(row.tolist())
-                           for source, row in zip(batch["source"], tokens) if source.any()]
+                           for source, row in zip(sources, tokens) if source.any()]
         bleu = metrics.corpus_bleu(hypotheses, data.references)
         scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature}
         log.info("teacher dev %s: BLEU %.2f", name, bleu.score)
@@ -169,7 +195,8 @@ def run_student(config: config_lib.Config) -> artifacts.Artifact:
     def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
         return train.train_student(
             student_model(config, tokenizer), data.batches, data.dev_batches, config.train,
-            config.mesh, checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
+            config.mesh, batch_sizes=data.batch_sizes, checkpoint_dir=pending.path("checkpoints"),
+            seed=config.seed,
             log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
             references=data.references)
 

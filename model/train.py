@@ -12,7 +12,9 @@ position, so a resumed run continues bit for bit where the interrupted one stopp
 Data contract: `batches(start_position)` returns an iterator of `(position_after, batch)`,
 where `batch` is this process's slice of a global batch, a dict of numpy arrays
 `{"source": int32[B, S], "target": int32[B, T]}` (B = global rows / process_count), and
-`position_after` resumes the stream right after that batch. Dev batches follow the same
+`position_after` resumes the stream right after that batch. Positions count global batches of
+`batch_sizes` rows (one size per length bucket); checkpoints record those sizes, so a resume
+under other sizes is refused rather than continued elsewhere. Dev batches follow the same
 layout; a row whose source is all PAD is padding (it fills the last batch to a static
 shape) and has no reference.
 """
@@ -395,6 +397,7 @@ def train(
     dev_batches: Optional[Sequence[Batch]],
     *,
     num_steps: int,
+    batch_sizes: Sequence[int],
     optimizer: OptimizerConfig,
     loop: TrainLoopConfig,
     mesh: MeshConfig,
@@ -419,6 +422,7 @@ def train(
     and returns early. Only process 0 logs to TensorBoard (`log_dir`) and shows progress.
 
     Args:
+      batch_sizes: the global rows per bucket of `batches` (what data positions count).
       dev_batches: dev batches (a re-iterable); None: no evaluation.
       detokenize, references: for dev BLEU (see `evaluate`); required if
         `loop.best_metric` is "bleu" and there are dev batches.
@@ -426,7 +430,8 @@ def train(
 
     Raises:
       NonFiniteLossError: the loss became NaN or infinite (the message names the step).
-      checkpoints.CheckpointError: the run has checkpoints but none is readable.
+      checkpoints.CheckpointError: the run has checkpoints but cannot resume from them
+        (none readable, another state structure, other batch sizes, failing storage).
     """
     sharding.initialize_distributed(mesh)
     if dev_batches is not None and loop.best_metric == "bleu" and references is None:
@@ -448,14 +453,15 @@ def train(
     # SIGTERM from here on is deferred to the next step boundary (even during compilation).
     with checkpoints.StopSignal() as stop_signal:
         try:
-            state, position = _restore_or_init(manager, placement, init_checkpoint, seed)
+            state, position = _restore_or_init(
+                manager, placement, init_checkpoint, seed, batch_sizes)
             steps = compile_steps(
                 model, tx, placement.state_shardings, placement.batch_sharding,
                 num_stages=num_stages, remask_stutter=remask_stutter,
             )
             return _run(
                 steps, state, position, manager, stop_signal,
-                batches=batches, dev_batches=dev_batches, num_steps=num_steps, loop=loop,
+                batches=batches, batch_sizes=batch_sizes, dev_batches=dev_batches, num_steps=num_steps, loop=loop,
                 schedule=schedule, batch_sharding=placement.batch_sharding,
                 is_main=jax.process_index() == 0, log_dir=log_dir, detokenize=detokenize,
                 references=references, deadline=deadline,
@@ -466,20 +472,24 @@ def train(
 
 
 def _restore_or_init(
-    manager, placement: Placement, init_checkpoint: Optional[str], seed: int
+    manager, placement: Placement, init_checkpoint: Optional[str], seed: int,
+    batch_sizes: Sequence[int],
 ) -> tuple[TrainState, int]:
     """The restore order of model/checkpoints.py: own checkpoints, init checkpoint, scratch."""
     restored = checkpoints.restore_latest(manager, placement.abstract_state)
     if restored is not None:
-        log.info("resuming from step %d of %s", restored.step, manager.directory)
-        return restored.state, restored.position
+        where = f"step {restored.step} of {manager.directory}"
+        position = restored.position.resume_at(batch_sizes, where)
+        log.info("resuming from %s", where)
+        return restored.state, position
     state = placement.create_state(seed)
     if init_checkpoint is None:
         log.info("training from scratch")
         return state, 0
-    params, position, step = checkpoints.restore_params(
+    params, saved_position, step = checkpoints.restore_params(
         init_checkpoint, placement.abstract_state.params
     )
+    position = saved_position.resume_at(batch_sizes, f"step {step} of {init_checkpoint}")
     log.info("initialised from step %d of %s (data position %d)", step, init_checkpoint, position)
     return state.replace(params=params), position
 
@@ -492,6 +502,7 @@ def _run(
     stop_signal: checkpoints.StopSignal,
     *,
     batches: BatchSource,
+    batch_sizes: Sequence[int],
     dev_batches,
     num_steps: int,
     loop: TrainLoopConfig,
@@ -571,7 +582,7 @@ def _run(
             if evaluated or stop or every(step, loop.checkpoint_every, num_steps):
                 accumulator.flush()
                 checkpoints.save(
-                    manager, state, position=position,
+                    manager, state, position=position, batch_sizes=batch_sizes,
                     metrics=_checkpoint_metrics(dev_metrics) if evaluated else None,
                 )
                 last_saved = step
@@ -639,6 +650,7 @@ def train_teacher(
     cfg: TeacherConfig,
     mesh: MeshConfig,
     *,
+    batch_sizes: Sequence[int],
     checkpoint_dir: str,
     seed: int,
     log_dir: Optional[str] = None,
@@ -652,7 +664,7 @@ def train_teacher(
     """
     return train(
         model, batches, dev_batches,
-        num_steps=cfg.steps, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
+        num_steps=cfg.steps, batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
         checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
         detokenize=detokenize, references=references, deadline=_deadline(cfg.loop),
     )
@@ -665,6 +677,7 @@ def train_student(
     cfg: StudentConfig,
     mesh: MeshConfig,
     *,
+    batch_sizes: Sequence[int],
     checkpoint_dir: str,
     seed: int,
     log_dir: Optional[str] = None,
@@ -681,8 +694,8 @@ def train_student(
     """
     deadline = _deadline(cfg.loop)
     common = dict(
-        optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh, detokenize=detokenize,
-        references=references, deadline=deadline,
+        batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
+        detokenize=detokenize, references=references, deadline=deadline,
     )
     phase1_dir = f"{checkpoint_dir.rstrip('/')}/phase1"
     result = train(

@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import toy_training as toy
@@ -120,7 +121,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrup
     with caplog.at_level(logging.INFO, logger="model"):
         result = train.train(
             toy.ToyModel(), toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE), None,
-            num_steps=STEPS, optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
+            num_steps=STEPS, batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=toy.LOOP,
+            mesh=MeshConfig(),
             checkpoint_dir=str(workdir), seed=0,
         )
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -149,7 +151,7 @@ def test_fingerprint_mismatch_counts_as_corruption(tmp_path, uninterrupted):
         restored = checkpoints.restore_latest(manager, _placement().abstract_state)
     finally:
         manager.close()
-    assert restored.step == STEPS - 5 and restored.position == STEPS - 5
+    assert restored.step == STEPS - 5 and restored.position.batches == STEPS - 5
 
 
 def test_no_readable_checkpoint_is_an_error(tmp_path, uninterrupted):
@@ -184,10 +186,10 @@ def test_retention_keeps_latest_and_best(tmp_path):
     abstract = {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}
     params, position, step = checkpoints.restore_params(str(tmp_path), abstract,
                                                         best_metric="loss")
-    assert (step, position) == (4, 104)
+    assert (step, position.batches) == (4, 104)
     np.testing.assert_array_equal(params["w"], np.arange(4.0) + 4)
     _, position, step = checkpoints.restore_params(str(tmp_path), abstract)
-    assert (step, position) == (10, 110)
+    assert (step, position.batches) == (10, 110)
 
 
 CROSS_MESH = """
@@ -201,8 +203,8 @@ assert jax.device_count() == 8
 tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
 loop = toy.LOOP
 batches = toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE)
-saved = train.train(toy.ToyModel(), batches, None, num_steps=5, optimizer=toy.OPTIMIZER,
-                    loop=loop, mesh=MeshConfig(data=4, fsdp=2), checkpoint_dir={dir!r}, seed=0)
+saved = train.train(toy.ToyModel(), batches, None, num_steps=5, batch_sizes=toy.BATCH_SIZES,
+                    optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(data=4, fsdp=2), checkpoint_dir={dir!r}, seed=0)
 embed = saved.state.params["embed"]
 assert embed.sharding.spec == P("fsdp", None), embed.sharding.spec  # vocab over fsdp
 want = jax.tree.map(np.asarray, saved.state)
@@ -213,7 +215,7 @@ for mesh, devices in [(MeshConfig(data=8, fsdp=1), None),
     manager = checkpoints.open_manager({dir!r}, keep=3)
     restored = checkpoints.restore_latest(manager, placement.abstract_state)
     manager.close()
-    assert restored.step == 5 and restored.position == 5
+    assert restored.step == 5 and restored.position.batches == 5
     for got, target, ref in zip(jax.tree.leaves(restored.state),
                                 jax.tree.leaves(placement.state_shardings),
                                 jax.tree.leaves(want)):
@@ -222,8 +224,8 @@ for mesh, devices in [(MeshConfig(data=8, fsdp=1), None),
     print("RESTORED", dict(placement.mesh.shape), restored.state.params["embed"].sharding.spec)
 
 # and training continues on the new mesh
-more = train.train(toy.ToyModel(), batches, None, num_steps=8, optimizer=toy.OPTIMIZER,
-                   loop=loop, mesh=MeshConfig(data=8, fsdp=1), checkpoint_dir={dir!r}, seed=0)
+more = train.train(toy.ToyModel(), batches, None, num_steps=8, batch_sizes=toy.BATCH_SIZES,
+                   optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(data=8, fsdp=1), checkpoint_dir={dir!r}, seed=0)
 assert int(more.state.step) == 8
 print("OK")
 """
@@ -234,3 +236,89 @@ def test_checkpoint_restores_on_another_mesh(tmp_path, cache_dir):
     proc = toy.run_python(code, cache_dir, devices=8)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "OK" in proc.stdout
+
+
+# --- restore failures told apart --------------------------------------------------------------
+
+
+def _steps(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _restore(directory, placement=None):
+    manager = checkpoints.open_manager(str(directory), keep=3)
+    try:
+        return checkpoints.restore_latest(manager, (placement or _placement()).abstract_state)
+    finally:
+        manager.close()
+
+
+def test_no_readable_checkpoint_moves_nothing_aside(tmp_path, uninterrupted):
+    """Were every step set aside, the next run would silently train from scratch."""
+    source, _ = uninterrupted
+    shutil.copytree(source / "checkpoints", tmp_path / "run")
+    for step_dir in (tmp_path / "run").iterdir():
+        shutil.rmtree(step_dir / "train")
+    before = _steps(tmp_path / "run")
+    with pytest.raises(checkpoints.CheckpointError, match="none was moved aside.*step 20: "):
+        _restore(tmp_path / "run")
+    assert _steps(tmp_path / "run") == before
+
+
+@pytest.mark.parametrize("failures", [1, 10])
+def test_a_transient_storage_error_is_retried_never_corruption(
+        tmp_path, uninterrupted, monkeypatch, failures):
+    source, want = uninterrupted
+    shutil.copytree(source / "checkpoints", tmp_path / "run")
+    monkeypatch.setattr(checkpoints, "RETRY_DELAYS", (0.0, 0.0, 0.0))
+    restore = ocp.CheckpointManager.restore
+    calls = []
+
+    def flaky(self, step, args=None):
+        calls.append(step)
+        if len(calls) <= failures:
+            raise ValueError("UNAVAILABLE: gcs backend timed out")  # as tensorstore reports
+        return restore(self, step, args=args)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", flaky)
+    before = _steps(tmp_path / "run")
+    if failures > len(checkpoints.RETRY_DELAYS):
+        with pytest.raises(checkpoints.CheckpointError, match="storage keeps failing"):
+            _restore(tmp_path / "run")
+    else:
+        restored = _restore(tmp_path / "run")
+        assert restored.step == STEPS
+        _assert_bitwise_equal(toy.flat_params(restored.state.params), want)
+    assert _steps(tmp_path / "run") == before  # nothing set aside either way
+
+
+def test_another_state_structure_is_an_error_naming_it(tmp_path, uninterrupted):
+    source, _ = uninterrupted
+    shutil.copytree(source / "checkpoints", tmp_path / "run")
+    tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
+    bigger = train.place(toy.ToyModel(config=toy.ToyConfig(d_model=24)), tx, MeshConfig())
+    before = _steps(tmp_path / "run")
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"step 20 .* another state structure .*model or optimizer config"):
+        _restore(tmp_path / "run", bigger)
+    assert _steps(tmp_path / "run") == before
+
+
+def test_resume_under_other_batch_sizes_is_refused(tmp_path, uninterrupted):
+    """Another device count gives other global batch sizes (input_pipeline rounds them to a
+    multiple of it): the saved position would point elsewhere, so the run refuses."""
+    source, _ = uninterrupted
+    shutil.copytree(source / "checkpoints", tmp_path / "run")
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"position 20 counts global batches of \[8\] rows per bucket "
+                             r"\(1 processes\), this run batches \[16\] rows"):
+        train.train(
+            toy.ToyModel(), toy.make_batches(seed=0, batch_size=16), None, num_steps=STEPS + 5,
+            batch_sizes=(16,), optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
+            checkpoint_dir=str(tmp_path / "run"), seed=0,
+        )
+
+
+def test_the_position_maps_across_process_counts_with_the_same_global_batches():
+    saved = checkpoints.Position(batches=40, batch_sizes=(64, 32), process_count=4)
+    assert saved.resume_at([64, 32], "here") == 40

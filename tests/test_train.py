@@ -91,8 +91,8 @@ def test_nan_loss_fails_fast_naming_the_step(tmp_path):
 
     with pytest.raises(train.NonFiniteLossError, match="at step 4"):
         train.train(
-            NaNModel(), batches, None, num_steps=20, optimizer=toy.OPTIMIZER,
-            loop=dataclasses.replace(toy.LOOP, checkpoint_every=3), mesh=MeshConfig(),
+            NaNModel(), batches, None, num_steps=20, batch_sizes=toy.BATCH_SIZES,
+            optimizer=toy.OPTIMIZER, loop=dataclasses.replace(toy.LOOP, checkpoint_every=3), mesh=MeshConfig(),
             checkpoint_dir=str(tmp_path / "ckpt"), seed=0,
         )
     # The step-3 checkpoint was written before the NaN; nothing after it.
@@ -123,7 +123,7 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
                            keep_checkpoints=1, best_metric="bleu")
     result = train.train(
         toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
-        optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
+        batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
         checkpoint_dir=str(tmp_path / "ckpt"), seed=0, log_dir=str(tmp_path / "tb"),
         detokenize=_detokenize, references=references,
     )
@@ -142,7 +142,7 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
 def test_time_budget_checkpoints_and_stops(tmp_path):
     result = train.train(
         toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), None, num_steps=50,
-        optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
+        batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
         checkpoint_dir=str(tmp_path / "ckpt"), seed=0, deadline=time.monotonic(),
     )
     assert not result.completed and result.stop_reason == "time budget"
@@ -154,7 +154,7 @@ def test_bleu_needs_references():
     with pytest.raises(ValueError, match="references"):
         train.train(
             toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), toy.dev_batches(),
-            num_steps=1, optimizer=toy.OPTIMIZER,
+            num_steps=1, batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER,
             loop=dataclasses.replace(toy.LOOP, best_metric="bleu"), mesh=MeshConfig(),
             checkpoint_dir="/nonexistent", seed=0,
         )
@@ -177,7 +177,7 @@ def test_teacher_trains_with_the_real_ar_model(tmp_path):
     result = train.train_teacher(
         ARModel(cfg.model, toy.VOCAB, label_smoothing=cfg.label_smoothing),
         toy.make_batches(seed=0, batch_size=8), dev, cfg, MeshConfig(),
-        checkpoint_dir=str(tmp_path / "teacher"), seed=0,
+        batch_sizes=toy.BATCH_SIZES, checkpoint_dir=str(tmp_path / "teacher"), seed=0,
         detokenize=_detokenize, references=_references(dev),
     )
     assert result.completed and int(result.state.step) == 3
@@ -193,7 +193,7 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
                        label_smoothing=cfg.label_smoothing)
     result = train.train_student(
         model, toy.make_batches(seed=0, batch_size=8), toy.dev_batches(), cfg, MeshConfig(),
-        checkpoint_dir=str(tmp_path / "student"), seed=0,
+        batch_sizes=toy.BATCH_SIZES, checkpoint_dir=str(tmp_path / "student"), seed=0,
     )
     assert result.completed and int(result.state.step) == 2
     # phase 2 continued phase 1's data stream: positions 3, 4 after phase 1's 1, 2

@@ -7,6 +7,9 @@ batch at position p depends only on (seed, p), so resumption is exact by constru
 
 Run as a script it trains in a fresh interpreter (the kill/resume and SIGTERM tests):
     python tests/toy_training.py --workdir DIR --steps 30 [--sleep 0.05] [--out params.npz]
+and as one of several JAX processes (tests/test_multiprocess.py), each feeding its slice:
+    python tests/toy_training.py --workdir DIR --coordinator 127.0.0.1:PORT \
+        --num-processes 2 --process-id 0
 """
 
 from __future__ import annotations
@@ -150,6 +153,20 @@ def make_batches(seed: int, batch_size: int, sleep: float = 0.0):
     return batches
 
 
+def process_slice(batches):
+    """`batches` of global rows, each cut to this process's equal share (the data contract
+    of model/train.py with several processes). JAX is asked only once batches are drawn,
+    after `jax.distributed.initialize`."""
+
+    def sliced(start: int):
+        index, count = jax.process_index(), jax.process_count()
+        for position, batch in batches(start):
+            rows = len(batch["source"]) // count
+            yield position, {k: v[index * rows:(index + 1) * rows] for k, v in batch.items()}
+
+    return sliced
+
+
 def with_progress(batches, path: str):
     """`batches`, writing each position it hands out to `path` (tests poll it)."""
 
@@ -174,6 +191,7 @@ def flat_params(params: Any) -> dict[str, np.ndarray]:
 
 
 BATCH_SIZE = 8
+BATCH_SIZES = (BATCH_SIZE,)  # the toy stream has one bucket
 LOOP = TrainLoopConfig(
     log_every=5, eval_every=1000, checkpoint_every=5, keep_checkpoints=3,
     best_metric="loss",
@@ -189,25 +207,36 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--progress-file", default=None)
+    parser.add_argument("--coordinator", default=None, help="host:port of process 0")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--process-id", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
 
     from model import train
 
-    batches = make_batches(seed=0, batch_size=BATCH_SIZE, sleep=args.sleep)
+    batches = process_slice(make_batches(seed=0, batch_size=BATCH_SIZE, sleep=args.sleep))
     if args.progress_file:
         batches = with_progress(batches, args.progress_file)
     result = train.train(
         ToyModel(), batches, None,
-        num_steps=args.steps, optimizer=OPTIMIZER,
+        num_steps=args.steps, batch_sizes=BATCH_SIZES, optimizer=OPTIMIZER,
         loop=dataclasses.replace(LOOP, checkpoint_every=args.checkpoint_every),
-        mesh=MeshConfig(), checkpoint_dir=os.path.join(args.workdir, "checkpoints"), seed=0,
+        mesh=MeshConfig(distributed=args.coordinator is not None,
+                        coordinator_address=args.coordinator, num_processes=args.num_processes,
+                        process_id=args.process_id),
+        checkpoint_dir=os.path.join(args.workdir, "checkpoints"), seed=0,
     )
     print(f"RESULT step={int(result.state.step)} completed={result.completed} "
           f"stop_reason={result.stop_reason}", flush=True)
-    if args.out:
-        np.savez(args.out, **flat_params(result.state.params))
+    params = result.state.params
+    if jax.process_count() > 1:  # arrays spanning processes: every process gathers them
+        from jax.experimental import multihost_utils
+
+        params = multihost_utils.process_allgather(params, tiled=True)
+    if args.out and jax.process_index() == 0:
+        np.savez(args.out, **flat_params(params))
     return 0
 
 
