@@ -26,11 +26,12 @@ import json
 import logging
 import os
 import posixpath
+import re
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -389,3 +390,45 @@ def _renew(fs: fsspec.AbstractFileSystem, path: str, holder: dict[str, Any],
             fs.pipe_file(path, json.dumps(holder).encode())
         except OSError as e:  # a missed renewal is harmless unless ten in a row are missed
             log.warning("could not renew the lease %s: %s", path, e)
+
+
+# --- what runs that died leave behind --------------------------------------------------------
+
+# Names beside the artifacts in `<stage>/`, as `write`, `_move_into_place` and `lease` make them.
+_LEFTOVER_NAMES = {
+    "tmp": re.compile(r"\.tmp-(?P<key>[0-9a-f]+)-[0-9a-f]{8}"),
+    "partial": re.compile(r"\.partial-(?P<key>[0-9a-f]+)"),
+    "old": re.compile(r"(?P<key>[0-9a-f]+)\.old-[0-9a-f]{8}"),
+    "lease": re.compile(r"\.lease-(?P<key>[0-9a-f]+)"),
+    "incomplete": re.compile(r"(?P<key>[0-9a-f]+)"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+    """An entry of `<stage>/` that no complete artifact owns: never read by a stage."""
+
+    stage: str
+    key: str
+    uri: str
+    kind: str  # a key of `_LEFTOVER_NAMES`: "partial" is work a rerun resumes from
+
+
+def leftovers(workdir: str, stages: Sequence[str]) -> list[Leftover]:
+    """What runs of `stages` that died (SIGKILL, power loss) left in `workdir`: temporary,
+    partial and replaced directories, lease files, and final directories whose manifest is
+    missing or does not parse. A run in progress shows its own too (its lease is held)."""
+    found = []
+    for stage in stages:
+        fs, stage_path = filesystem(join(workdir, stage))
+        if not fs.isdir(stage_path):
+            continue
+        for path in sorted(fs.ls(stage_path, detail=False)):
+            name = posixpath.basename(path.rstrip("/"))
+            uri = join(workdir, stage, name)
+            for kind, pattern in _LEFTOVER_NAMES.items():
+                match = pattern.fullmatch(name)
+                if match and (kind != "incomplete" or (fs.isdir(path) and not is_complete(uri))):
+                    found.append(Leftover(stage, match["key"], uri, kind))
+                    break
+    return found
