@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- the whole pipeline: `padir run | status | serve | report` ----------------------------
+# --- the whole pipeline: `padir run | status | gc | serve | report` -----------------------
 
 
 def _add_selection_args(parser: argparse.ArgumentParser) -> None:
@@ -92,8 +92,13 @@ def _add_pipeline_commands(commands) -> None:
     _add_config_args(run)
     _add_selection_args(run)
     status = commands.add_parser(
-        "status", help="which stages are complete, their keys and headline metrics")
+        "status", help="which stages are complete, their keys and headline metrics, "
+                       "and what runs that died left behind")
     _add_config_args(status)
+    gc = commands.add_parser(
+        "gc", help="remove what runs that died left in the workdir (temporary and partial "
+                   "directories, lease files), never a complete artifact or a running stage's")
+    _add_config_args(gc)
     serve = commands.add_parser(
         "serve", help="serve a scheduled Prefect deployment of the DAG (needs PREFECT_API_URL)")
     _add_config_args(serve)
@@ -147,6 +152,25 @@ def _print_status(args: argparse.Namespace, config: config_lib.Config) -> int:
               f"{_duration(row['wall_seconds']):>8}  {row['next']:32} {metrics}".rstrip())
     walls = [row["wall_seconds"] for row in rows if row["wall_seconds"] is not None]
     print(f"  {len(walls)} of {len(rows)} stages complete, {_duration(sum(walls))} of wall time")
+    found = plan.leftovers(config)
+    if found:
+        print(f"leftovers of runs that died ({len(found)}; `padir gc {args.config}` "
+              "removes them):")
+    for item in found:
+        print(f"  {artifacts.join(item.stage, item.uri.rsplit('/', 1)[-1]):40} "
+              f"{plan.LEFTOVER_KINDS[item.kind]}")
+    return 0
+
+
+def _collect_garbage(args: argparse.Namespace, config: config_lib.Config) -> int:
+    from flows import plan
+
+    garbage = plan.collect_garbage(config)
+    for item in garbage.removed:
+        print(f"removed {item.uri}")
+    for why in garbage.in_use.values():
+        print(f"kept: {why}")
+    print(f"{len(garbage.removed)} leftovers removed, {len(garbage.in_use)} keys in use kept")
     return 0
 
 
@@ -188,7 +212,7 @@ def _print_report(args: argparse.Namespace, config: config_lib.Config) -> int:
 
 
 PIPELINE_COMMANDS = {"run": _run_pipeline, "status": _print_status, "serve": _serve,
-                     "report": _print_report}
+                     "report": _print_report, "gc": _collect_garbage}
 
 
 # --- `padir translate`: stdin -> stdout with a published checkpoint -------------------------

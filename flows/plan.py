@@ -188,3 +188,51 @@ def report_path(config: Config) -> Optional[str]:
     path = artifacts.join(uri, REPORT_FILE)
     fs, local = artifacts.filesystem(path)
     return path if artifacts.is_complete(uri) and fs.exists(local) else None
+
+
+# --- what runs that died left: `padir status` lists it, `padir gc` removes it ----------------
+
+LEFTOVER_KINDS = {  # artifacts.Leftover.kind -> what it is, for `padir status`
+    "tmp": "temporary output of a run that died",
+    "partial": "training work a rerun resumes from (gc drops it)",
+    "old": "an output replaced by a publication that died",
+    "lease": "lease file of a run that died, or of a running one",
+    "incomplete": "output without a readable manifest (never read)",
+}
+
+
+def leftovers(config: Config) -> list[artifacts.Leftover]:
+    """Everything runs of any key left in the workdir's stage folders (artifacts.leftovers)."""
+    return artifacts.leftovers(config.workdir, list(dag.STAGES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Garbage:
+    """What `collect_garbage` did: removed leftovers, and the keys it left to a running stage."""
+
+    removed: list[artifacts.Leftover]
+    in_use: dict[str, str]  # "<stage>/<key>" -> why it was left (the holder of its lease)
+
+
+def collect_garbage(config: Config) -> Garbage:
+    """Removes the leftovers of every key whose lease it can take, so that nothing a
+    running stage is writing is touched; they are listed again under the lease, where
+    nothing can change them. The lease file goes when the lease is released."""
+    listed = leftovers(config)
+    removed: list[artifacts.Leftover] = []
+    in_use: dict[str, str] = {}
+    for stage, key in sorted({(item.stage, item.key) for item in listed}):
+        try:
+            with artifacts.lease(config.workdir, stage, key):
+                found = [item for item in artifacts.leftovers(config.workdir, [stage])
+                         if item.key == key and item.kind != "lease"]
+                for item in found:
+                    fs, path = artifacts.filesystem(item.uri)
+                    fs.rm(path, recursive=True)
+        except artifacts.LeaseHeldError as e:
+            in_use[f"{stage}/{key}"] = str(e)
+            continue
+        removed.extend(found)
+        removed.extend(item for item in listed
+                       if (item.stage, item.key, item.kind) == (stage, key, "lease"))
+    return Garbage(removed, in_use)
