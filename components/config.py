@@ -438,8 +438,8 @@ class DecodeMethod:
     iterations: int = 4
     beam_size: int = 4
     length_penalty: float = 0.6
-    num_length_candidates: int = 1  # most likely lengths, each plus every offset:
-    length_offsets: tuple[int, ...] = (-1, 0, 1)  # 3 candidates by default (~ beam 4's rows)
+    num_length_candidates: int = 1  # most likely lengths, each plus every offset; one
+    length_offsets: tuple[int, ...] = (0,)  # candidate: as good and 2x faster (README table)
     init: Literal["mask", "random"] = "mask"
     tokens_per_step: int = 2
     criterion: Literal["top_prob", "margin"] = "margin"
