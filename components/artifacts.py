@@ -352,7 +352,8 @@ def _local_lease(path: str, name: str) -> Iterator[None]:
         os.fsync(fd)
         yield
     finally:
-        os.unlink(path)  # before the unlock: a waiting run then retries on a fresh file
+        with contextlib.suppress(FileNotFoundError):  # removed by hand meanwhile
+            os.unlink(path)  # before the unlock: a waiting run then retries on a fresh file
         os.close(fd)
 
 

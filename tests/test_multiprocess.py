@@ -95,10 +95,14 @@ def test_sigkill_of_one_process_then_both_restart_and_resume_exactly(
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGKILL)
     procs[1].wait()
+    killed = time.monotonic()
     try:  # the survivor fails at its next collective, or at the coordinator's heartbeat
         procs[0].wait(timeout=30)
+        print(f"survivor exited by itself after {time.monotonic() - killed:.1f} s "
+              f"(rc {procs[0].returncode})")
     except subprocess.TimeoutExpired:
         procs[0].kill()
+        print("survivor still blocked after 30 s: killed")
     procs[0].communicate()
     saved = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
     assert 10 in saved and max(saved) < STEPS
