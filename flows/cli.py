@@ -341,7 +341,7 @@ def translate_stream(translator: Any, stdin: BinaryIO, out: TextIO, err: TextIO,
     return counts
 
 
-# --- `padir theory`: the paper's Ising experiments (model/ising_experiments.py) ---------------
+# --- `padir theory`: the paper's Ising experiments (theory/experiments.py) ---------------
 
 
 def _add_theory_command(commands) -> None:
@@ -356,9 +356,9 @@ def _add_theory_command(commands) -> None:
 
 
 def _theory(args: argparse.Namespace) -> int:
-    from model import ising_experiments  # JAX and matplotlib: only for this command
+    from theory import experiments  # JAX and matplotlib: only for this command
 
-    for path in ising_experiments.run(args.out, quick=args.quick).values():
+    for path in experiments.run(args.out, quick=args.quick).values():
         print(path)
     return 0
 

@@ -36,10 +36,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from components import artifacts, corpus, dag, input_pipeline, metrics
+from components import artifacts, corpus, dag, metrics
 from components import config as config_lib
 from components.tokenizer import MODEL_FILE, Tokenizer
-from model import inference, sharding, train
+from model import inference, input_pipeline, sharding, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)

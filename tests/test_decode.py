@@ -234,7 +234,8 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
 def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch, capsys):
     uri = _uri(config, "train")
     sentences = _sentences(config, 2, range(2, 17))
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{sentences[0]}\n\n  {sentences[1]} \n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
+        f"{sentences[0]}\n\n  {sentences[1]} \n".encode())))
     assert cli.main(["translate", "--checkpoint", uri, "--method", "padir",
                      "--iterations", "2", "--batch-size", "2"]) == 0
     lines = capsys.readouterr().out.split("\n")

@@ -1,4 +1,4 @@
-"""Tests of the tf.data batches (components/input_pipeline.py) on hand-written TFRecord shards."""
+"""Tests of the tf.data batches (model/input_pipeline.py) on hand-written TFRecord shards."""
 
 import itertools
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from components import input_pipeline, records
+from components import records
+from model import input_pipeline
 
 BOUNDARIES = (4, 8, 16)
 BATCH_SIZES = (4, 3, 2)

@@ -1,4 +1,4 @@
-"""model/ising.py against brute-force enumeration written independently here (numpy loops)."""
+"""theory/ising.py against brute-force enumeration written independently here (numpy loops)."""
 
 import itertools
 import math
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ising
+from theory import ising
 
 
 def random_params(num_spins: int, seed: int, scale: float = 0.6) -> ising.IsingParams:

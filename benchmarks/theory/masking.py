@@ -5,7 +5,7 @@ the k-PL estimate for every k = 1 .. N on that same set, ||theta_hat - theta*|| 
 over seeds (mean ± s.e.), for a weakly coupled, a strongly coupled (random signs) and a
 peaked two-mode (ferromagnetic) model. Writes
 masking.png and masking.json into --out. The experiment itself lives in
-model/ising_experiments.py (`benchmarks/` is not an installed package; `padir theory` runs
+theory/experiments.py (`benchmarks/` is not an installed package; `padir theory` runs
 this and benchmarks/theory/sampling.py together).
 
     python benchmarks/theory/masking.py [--out work/theory] [--quick]
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 
 from components import logs
-from model import ising_experiments
+from theory import experiments
 
 
 def run(out_dir: str, quick: bool = False) -> dict:
-    return ising_experiments.run_masking(out_dir, ising_experiments.masking_config(quick))
+    return experiments.run_masking(out_dir, experiments.masking_config(quick))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ ferromagnetic Ising model whose field favours the all-(+1) mode: chains start at
 smaller mode); per sampler and coupling J, the fraction of chains whose magnetisation
 reaches the threshold within the step budget and the median steps it took. Writes
 sampling.png and sampling.json into --out. The experiment itself lives in
-model/ising_experiments.py (`benchmarks/` is not an installed package; `padir theory` runs
+theory/experiments.py (`benchmarks/` is not an installed package; `padir theory` runs
 this and benchmarks/theory/masking.py together).
 
     python benchmarks/theory/sampling.py [--out work/theory] [--quick]
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 
 from components import logs
-from model import ising_experiments
+from theory import experiments
 
 
 def run(out_dir: str, quick: bool = False) -> dict:
-    return ising_experiments.run_sampling(out_dir, ising_experiments.sampling_config(quick))
+    return experiments.run_sampling(out_dir, experiments.sampling_config(quick))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Smoke tests of model/ising_experiments.py on tiny configs, and the `padir theory` wiring."""
+"""Smoke tests of theory/experiments.py on tiny configs, and the `padir theory` wiring."""
 
 import json
 import os
@@ -6,14 +6,14 @@ import os
 import numpy as np
 
 from flows import cli
-from model import ising_experiments
+from theory import experiments
 
 
 def test_masking_writes_figures(tmp_path):
     # max_subsets=1 < C(2, 1): the k = 1 loss uses one random block per training set.
-    config = ising_experiments.MaskingConfig(num_spins=2, num_samples=200, num_seeds=2,
+    config = experiments.MaskingConfig(num_spins=2, num_samples=200, num_seeds=2,
                                              lbfgs_max_steps=5, max_subsets=1)
-    result = ising_experiments.run_masking(str(tmp_path), config)
+    result = experiments.run_masking(str(tmp_path), config)
     for name in ("masking.png", "masking.json"):
         assert os.path.getsize(tmp_path / name) > 0
     written = json.loads((tmp_path / "masking.json").read_text())
@@ -26,9 +26,9 @@ def test_masking_writes_figures(tmp_path):
 
 
 def test_sampling_writes_figures(tmp_path):
-    config = ising_experiments.SamplingConfig(num_spins=4, couplings=(0.6,), field=0.5,
+    config = experiments.SamplingConfig(num_spins=4, couplings=(0.6,), field=0.5,
                                               block_sizes=(1, 4), num_chains=8, budget=20)
-    ising_experiments.run_sampling(str(tmp_path), config)
+    experiments.run_sampling(str(tmp_path), config)
     written = json.loads((tmp_path / "sampling.json").read_text())
     assert os.path.getsize(tmp_path / "sampling.png") > 0
     labels = [(row["sampler"], row["k"]) for row in written["rows"]]
@@ -38,15 +38,15 @@ def test_sampling_writes_figures(tmp_path):
 
 
 def test_summarise_hits_censors_chains_that_did_not_arrive():
-    summary = ising_experiments.summarise_hits(np.array([3, 5, -1, -1, -1]), budget=10)
+    summary = experiments.summarise_hits(np.array([3, 5, -1, -1, -1]), budget=10)
     assert summary == {"fraction_reached": 0.4, "median_steps": None,
                        "mean_steps_if_reached": 4.0}
-    assert ising_experiments.summarise_hits(np.array([3, 5, 7, -1]), 10)["median_steps"] == 6.0
+    assert experiments.summarise_hits(np.array([3, 5, 7, -1]), 10)["median_steps"] == 6.0
 
 
 def test_padir_theory_calls_the_experiments(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(ising_experiments, "run",
+    monkeypatch.setattr(experiments, "run",
                         lambda out, quick: calls.append((out, quick)) or {"x.png": "p"})
     assert cli.main(["theory", "--out", str(tmp_path), "--quick"]) == 0
     assert calls == [(str(tmp_path), True)]

@@ -1,6 +1,6 @@
 """The paper's Ising experiments (section 3.1, appendix L.6-L.7), at laptop scale.
 
-Two measurements on exactly solvable models (model/ising.py), each writing a PNG and a JSON
+Two measurements on exactly solvable models (theory/ising.py), each writing a PNG and a JSON
 of its figures into an output directory:
 
 - `run_masking` (Theorem 1, "masking more is statistically better"): for each seed, one
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import ising
+from theory import ising
 
 log = logging.getLogger(__name__)
 
