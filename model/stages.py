@@ -106,7 +106,8 @@ def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artif
     """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact,
     published by process 0 once every process is done (see the module docstring)."""
     sharding.initialize_distributed(config.mesh)  # before anything initialises the backend
-    log.info("%s: resolved config\n%s", stage, config_lib.dump(config))
+    log.info("%s: %s", stage, config_lib.summary(config, dag.STAGES[stage].sections))
+    log.debug("%s: resolved config\n%s", stage, config_lib.dump(config))
     tokenizer = load_tokenizer(config)
     # Checked before the partial directory exists: a missing input leaves nothing behind.
     inputs = {name: dag.require_input(config, name).uri for name in dag.inputs(config, stage)}
