@@ -1,4 +1,5 @@
-"""The stage graph: which config sections and which upstream stages each stage depends on.
+"""The stage registry: for each stage, the config sections and upstream stages it depends
+on, and the function that computes it (`flows/stages.py: run_stage` calls it).
 
 A stage's artifact key hashes its own config sections and the keys of its inputs, so
 changing one section invalidates that stage and everything downstream, nothing upstream.
@@ -26,19 +27,33 @@ from components.config import Config, stable_hash, to_dict
 class StageSpec:
     sections: tuple[str, ...]  # config attributes whose values determine the output
     inputs: tuple[str, ...]  # upstream stages whose artifacts it reads (see `inputs`)
+    # "module:function" that computes it, imported only when the stage runs (Beam, JAX and
+    # TF are heavy, and this module sits below them). A Beam stage's function takes
+    # `(config, beam_args=...)`, the others `(config)`; flows/stages.py calls it.
+    entry: str
+    beam: bool  # a Beam job: takes pipeline flags, runs standalone on Dataflow
 
 
 STAGES: dict[str, StageSpec] = {
-    "prepare": StageSpec(sections=("data", "prepare", "seed"), inputs=()),
-    "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",)),
-    "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab")),
-    "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode")),
-    "distill": StageSpec(sections=("distill",), inputs=("prepare", "teacher")),
-    "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab")),
+    "prepare": StageSpec(sections=("data", "prepare", "seed"), inputs=(),
+                         entry="pipelines.prepare:run", beam=True),
+    "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",),
+                       entry="pipelines.vocab:run", beam=True),
+    "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab"),
+                        entry="pipelines.encode:run", beam=True),
+    "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode"),
+                         entry="model.stages:run_teacher", beam=False),
+    "distill": StageSpec(sections=("distill",), inputs=("prepare", "teacher"),
+                         entry="pipelines.distill:run", beam=True),
+    "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab"),
+                                  entry="pipelines.encode:run_distilled", beam=True),
     # Reads "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
-    "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode")),
-    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "train")),
-    "score": StageSpec(sections=(), inputs=("prepare", "decode")),
+    "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode"),
+                       entry="model.stages:run_student", beam=False),
+    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "train"),
+                        entry="pipelines.decode:run", beam=True),
+    "score": StageSpec(sections=(), inputs=("prepare", "decode"),
+                       entry="components.score:run", beam=False),
 }
 DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
 

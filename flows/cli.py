@@ -9,49 +9,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 import os
 import sys
 from typing import Any, BinaryIO, Sequence, TextIO
 
-from components import artifacts, corpus, logs
+from components import artifacts, corpus, dag, logs
 from components import config as config_lib
 from components.corpus import CorpusError
-from flows import local_api
+from flows import local_api, stages
 
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
-
-# Stage name -> "module:function" that computes it (imported on use: heavy). Beam stages'
-# functions take `(config, beam_args)`, the others (training, scoring) just `(config)`.
-BEAM_STAGES = {
-    "prepare": "pipelines.prepare:run",
-    "vocab": "pipelines.vocab:run",
-    "encode": "pipelines.encode:run",
-    "distill": "pipelines.distill:run",
-    "encode_distilled": "pipelines.encode:run_distilled",
-    "decode": "pipelines.decode:run",
-}
-PYTHON_STAGES = {
-    "teacher": "model.stages:run_teacher",
-    "train": "model.stages:run_student",
-    "score": "components.score:run",
-}
-
-
-def _load(target: str):
-    module, function = target.split(":")
-    return getattr(importlib.import_module(module), function)
-
-
-def run_stage(name: str, config: config_lib.Config, beam_args: Sequence[str] = ()):
-    """Recomputes one stage from its (complete) inputs and returns its artifact."""
-    if name in BEAM_STAGES:
-        return _load(BEAM_STAGES[name])(config, beam_args=beam_args)
-    if beam_args:
-        raise config_lib.ConfigError(f"stage {name} is not a Beam job: unexpected {beam_args}")
-    return _load(PYTHON_STAGES[name])(config)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
-    stage.add_argument("name", choices=[*BEAM_STAGES, *PYTHON_STAGES])
+    stage.add_argument("name", choices=list(dag.STAGES))
     _add_config_args(stage)
     _add_translate_command(commands)
     _add_pipeline_commands(commands)
@@ -374,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _translate(args) if args.command == "translate" else _theory(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
-            artifact = run_stage(args.name, config, beam_args=extra)
+            artifact = stages.run_stage(args.name, config, beam_args=extra)
             print(f"{args.name}: {artifact.uri}")
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -40,8 +40,8 @@ from prefect.states import State
 from components import artifacts, dag
 from components import config as config_lib
 from components.config import Config, stable_hash
-from flows import cli
 from flows import plan as plan_lib
+from flows import stages
 
 FLOW_NAME = "padir-pipeline"
 RESULTS_DIR = (".prefect", "results")  # under the workdir: cache records live with artifacts
@@ -85,7 +85,7 @@ def stage_task(stage: str, config: Config, rerun: bool) -> str:
     if not rerun and artifacts.is_complete(uri):  # complete, but no cache record: adopt it
         get_run_logger().info("%s: adopting the complete artifact %s", stage, uri)
         return uri
-    return cli.run_stage(stage, config).uri
+    return stages.run_stage(stage, config).uri
 
 
 def result_storage(workdir: str) -> Any:

@@ -25,6 +25,7 @@ from components import score as score_stage
 from components import config as config_lib
 from components.config import ConfigError, DecodeMethod
 from flows import cli
+from flows.stages import run_stage
 from model import inference
 from pipelines import decode
 from pipelines import inference as beam_inference
@@ -153,7 +154,7 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
 
 @pytest.fixture(scope="module")
 def decoded(config):
-    return cli.run_stage("decode", config)
+    return run_stage("decode", config)
 
 
 def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
@@ -179,7 +180,7 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
 
 
 def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
-    scored = cli.run_stage("score", config)
+    scored = run_stage("score", config)
     with open(scored.path(score_stage.REPORT_JSON)) as f:
         content = json.load(f)
     entry = content["test_sets"]["test2016"]

@@ -17,6 +17,7 @@ from components import artifacts, corpus, dag, distillation
 from components.config import ConfigError, DistillConfig
 from components.tokenizer import EOS_ID
 from flows import cli
+from flows.stages import run_stage
 from pipelines import batching
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
@@ -109,7 +110,7 @@ def _lines(uri: str, split: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def distilled(config):
-    artifact = cli.run_stage("distill", config)
+    artifact = run_stage("distill", config)
     return artifact, _lines(artifact.uri, "train"), _lines(artifact.uri, "rejects")
 
 
@@ -148,7 +149,7 @@ def test_every_source_is_kept_or_a_counted_reject_aligned_by_id(config, distille
 
 def test_a_rerun_writes_identical_pairs_and_rejects(config, distilled):
     _, kept, rejects = distilled
-    again = cli.run_stage("distill", config)
+    again = run_stage("distill", config)
     assert again.uri == distilled[0].uri
     assert _lines(again.uri, "train") == kept
     assert _lines(again.uri, "rejects") == rejects
@@ -171,7 +172,7 @@ def test_filters_reject_exactly_the_pairs_they_should(config, distilled):
 
     filtered = config.replace(distill=dataclasses.replace(
         config.distill, max_length_ratio=max_ratio, min_token_log_prob=threshold))
-    artifact = cli.run_stage("distill", filtered)
+    artifact = run_stage("distill", filtered)
     assert artifact.uri != distilled[0].uri  # a filter setting is part of the key
     counts = artifact.manifest["counts"]
     rejects = _lines(artifact.uri, "rejects")
@@ -187,7 +188,7 @@ def test_the_student_trains_on_the_encoded_distilled_pairs(config, distilled, mo
     from model import stages
 
     artifact, kept, _ = distilled
-    encoded = cli.run_stage("encode_distilled", config)
+    encoded = run_stage("encode_distilled", config)
     assert encoded.uri == dag.output_uri(config, "encode_distilled")
     assert encoded.manifest["inputs"] == {"distill": artifact.uri,
                                           "vocab": dag.output_uri(config, "vocab")}
@@ -216,4 +217,4 @@ def test_distill_is_a_padir_stage(config):
         assert cli.build_parser().parse_args(["stage", stage, "c.yaml"]).name == stage
     lonely = config.replace(workdir=config.workdir + "-empty")
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage prepare"):
-        cli.run_stage("distill", lonely)
+        run_stage("distill", lonely)

@@ -1,7 +1,7 @@
 """flows/pipeline.py: the Prefect flow over the stage DAG, its caching, failures and retries.
 
 One end-to-end test runs the real stages on tiny data through Prefect. The other scenarios
-swap `flows.cli.run_stage` for a fake that writes a manifest-only artifact: they test the
+swap `flows.stages.run_stage` (what both the CLI and the flow call) for a fake that writes a manifest-only artifact: they test the
 flow's decisions (what runs, what is cached, what a failure leaves), not the stages. All
 share one temporary Prefect API (`prefect_harness`, tests/conftest.py).
 """
@@ -15,6 +15,7 @@ import pytest
 from components import artifacts, dag
 from components import config as config_lib
 from flows import cli, pipeline, plan
+from flows import stages as stages_lib
 from tiny_experiment import tiny_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -33,7 +34,7 @@ FAST = ("data.dev=null", "data.test=[]", "data.carve_dev_fraction=0.05",
 
 
 class FakeStages:
-    """Stands in for `cli.run_stage`: records each call and publishes a small artifact
+    """Stands in for `stages.run_stage`: records each call and publishes a small artifact
     (reading its inputs first, like a real stage); raises the queued errors of a stage."""
 
     def __init__(self):
@@ -61,7 +62,7 @@ class FakeStages:
 @pytest.fixture
 def fake(monkeypatch):
     stages = FakeStages()
-    monkeypatch.setattr(cli, "run_stage", stages)
+    monkeypatch.setattr(stages_lib, "run_stage", stages)
     monkeypatch.setattr(pipeline, "stage_task",
                         pipeline.stage_task.with_options(retry_delay_seconds=0))
     return stages
@@ -126,17 +127,23 @@ def downstream(config_path, stage: str) -> list[str]:
 # --- the real stages ----------------------------------------------------------------------
 
 
+def test_every_registered_stage_names_a_function_the_cli_offers():
+    for name, spec in dag.STAGES.items():
+        assert callable(stages_lib.entry_point(name)), spec.entry
+        assert cli.build_parser().parse_args(["stage", name, "c.yaml"]).name == name
+
+
 def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
     config = tiny_config(str(tmp_path), *FAST)
     config_path = tmp_path / "experiment.yaml"
     config_path.write_text(config_lib.dump(config))
     ran = []
 
-    def spy(name, config, beam_args=(), run_stage=cli.run_stage):
+    def spy(name, config, beam_args=(), run_stage=stages_lib.run_stage):
         ran.append(name)
         return run_stage(name, config, beam_args)
 
-    monkeypatch.setattr(cli, "run_stage", spy)
+    monkeypatch.setattr(stages_lib, "run_stage", spy)
     order = order_of(str(config_path))
     assert not {"distill", "encode_distilled"} & set(order)  # switched off: not run
 

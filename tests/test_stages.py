@@ -12,7 +12,7 @@ import pytest
 
 from components import artifacts, dag
 from components import config as config_lib
-from flows import cli
+from flows.stages import run_stage
 from tiny_experiment import ensure, tiny_config
 
 
@@ -25,7 +25,7 @@ def test_every_stage_runs_in_order_and_publishes(config):
     ensure(config, "prepare", "vocab")  # the session's; test_prepare and test_vocab run them
     for stage in ("prepare", "vocab", "encode", "teacher", "train"):
         artifact = (artifacts.read(dag.output_uri(config, stage)) if stage in ("prepare", "vocab")
-                    else cli.run_stage(stage, config))
+                    else run_stage(stage, config))
         assert artifact.uri == dag.output_uri(config, stage)
         assert artifacts.is_complete(artifact.uri)
     teacher = artifacts.read(dag.output_uri(config, "teacher"))
@@ -42,9 +42,9 @@ def test_every_stage_runs_in_order_and_publishes(config):
 def test_a_stage_refuses_to_run_without_its_inputs(config, tmp_path):
     lonely = config.replace(workdir=str(tmp_path / "empty"))
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage vocab"):
-        cli.run_stage("teacher", lonely)
+        run_stage("teacher", lonely)
 
 
 def test_training_stages_take_no_beam_flags(config):
     with pytest.raises(config_lib.ConfigError, match="not a Beam job"):
-        cli.run_stage("teacher", config, beam_args=["--runner=DataflowRunner"])
+        run_stage("teacher", config, beam_args=["--runner=DataflowRunner"])

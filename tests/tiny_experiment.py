@@ -50,12 +50,12 @@ def tiny_config(workdir, *overrides: str) -> config_lib.Config:
 
 def ensure(config: config_lib.Config, *stages: str) -> None:
     """Runs each stage whose artifact is not complete yet (a test that checks a stage's own
-    run calls `cli.run_stage` instead)."""
-    from flows import cli
+    run calls `stages.run_stage` instead)."""
+    from flows import stages as stages_lib
 
     for stage in stages:
         if not artifacts.is_complete(dag.output_uri(config, stage)):
-            cli.run_stage(stage, config)
+            stages_lib.run_stage(stage, config)
 
 
 def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifact:
