@@ -401,16 +401,25 @@ class DistillConfig:
 
 # --- decoding and its measurement -------------------------------------------------------
 
-DECODE_KINDS = ("ar_greedy", "ar_beam", "padir", "mask_predict", "adaptive")
-AR_KINDS = ("ar_greedy", "ar_beam")  # decode with the teacher; the others with the student
-# The options each kind reads (besides name and kind); setting any other is an error.
-DECODE_OPTIONS = {
-    "ar_greedy": (),
-    "ar_beam": ("beam_size", "length_penalty"),
-    "padir": ("iterations", "num_length_candidates", "length_offsets", "init"),
-    "mask_predict": ("iterations", "num_length_candidates", "length_offsets"),
-    "adaptive": ("tokens_per_step", "criterion", "num_length_candidates", "length_offsets"),
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """What the pipeline needs to know of a decoding kind without running it (its search
+    is `model/inference.py: SEARCHES[kind]`)."""
+
+    stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "train"
+    options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
+
+
+# Decoding kinds: config validation, `padir translate`'s flags and inference all read this.
+DECODERS: dict[str, Decoder] = {
+    "ar_greedy": Decoder("teacher", ()),
+    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty")),
+    "padir": Decoder("train", ("iterations", "num_length_candidates", "length_offsets", "init")),
+    "mask_predict": Decoder("train", ("iterations", "num_length_candidates", "length_offsets")),
+    "adaptive": Decoder("train", ("tokens_per_step", "criterion", "num_length_candidates",
+                                  "length_offsets")),
 }
+DECODE_KINDS = tuple(DECODERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,8 +427,8 @@ class DecodeMethod:
     """One decoding method to measure (model/decoding.py, model/beam_search.py).
 
     The AR kinds decode with the `teacher` artifact, the others with the PaDIR student
-    (`train`). Each kind reads only its options (DECODE_OPTIONS); giving another one a
-    value other than its default is an error, so a config never carries a knob that does
+    (`train`). Each kind reads only its options (`DECODERS`); giving another one a value
+    other than its default is an error, so a config never carries a knob that does
     nothing.
 
       ar_greedy     greedy search with a KV cache
@@ -434,7 +443,7 @@ class DecodeMethod:
     """
 
     name: str
-    kind: Literal["ar_greedy", "ar_beam", "padir", "mask_predict", "adaptive"]
+    kind: Literal[DECODE_KINDS]  # parsed against the table: an unknown kind names the key
     iterations: int = 4
     beam_size: int = 4
     length_penalty: float = 0.6
@@ -448,14 +457,13 @@ class DecodeMethod:
         where = f"decode method {self.name!r}"
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ConfigError(f"{where}: a name of letters, digits, '_', '.', '-' only")
-        if self.kind not in DECODE_OPTIONS:  # also when built in code, not parsed
+        if self.kind not in DECODERS:  # also when built in code, not parsed
             raise ConfigError(f"{where}: kind must be one of {list(DECODE_KINDS)}")
-        for field in dataclasses.fields(self):
-            if field.name in ("name", "kind") or field.name in DECODE_OPTIONS[self.kind]:
-                continue
-            if getattr(self, field.name) != field.default:
+        reads = DECODERS[self.kind].options
+        for field in decode_options():
+            if field.name not in reads and getattr(self, field.name) != field.default:
                 raise ConfigError(f"{where}: '{field.name}' does not apply to kind {self.kind} "
-                                  f"(it reads {list(DECODE_OPTIONS[self.kind]) or 'no options'})")
+                                  f"(it reads {list(reads) or 'no options'})")
         if min(self.iterations, self.beam_size, self.num_length_candidates,
                self.tokens_per_step) < 1:
             raise ConfigError(f"{where}: iterations, beam_size, num_length_candidates and "
@@ -467,7 +475,13 @@ class DecodeMethod:
     @property
     def stage(self) -> str:
         """The training stage whose checkpoint this method decodes with."""
-        return "teacher" if self.kind in AR_KINDS else "train"
+        return DECODERS[self.kind].stage
+
+
+def decode_options() -> tuple[dataclasses.Field, ...]:
+    """The DecodeMethod fields a kind may read (all but `name` and `kind`)."""
+    return tuple(field for field in dataclasses.fields(DecodeMethod)
+                 if field.name not in ("name", "kind"))
 
 
 DEFAULT_DECODE_METHODS: tuple[DecodeMethod, ...] = (

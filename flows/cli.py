@@ -12,7 +12,8 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Any, BinaryIO, Sequence, TextIO
+import typing
+from typing import Any, BinaryIO, Literal, Sequence, TextIO
 
 from components import artifacts, corpus, dag, logs
 from components import config as config_lib
@@ -200,23 +201,35 @@ def _add_translate_command(commands) -> None:
                                 "e.g. work/multi30k_en_de/train/<key>")
     translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
                            help="default: padir for a train artifact, ar_beam for a teacher")
-    translate.add_argument("--iterations", type=int, help="padir, mask_predict")
-    translate.add_argument("--beam-size", type=int, help="ar_beam")
-    translate.add_argument("--length-penalty", type=float, help="ar_beam")
-    translate.add_argument("--length-candidates", type=int, dest="num_length_candidates",
-                           help="NAR methods: most likely lengths tried")
-    translate.add_argument("--length-offsets", metavar="D,D,...",
-                           type=lambda text: tuple(int(d) for d in text.split(",")),
-                           help="NAR methods: added to each length, e.g. --length-offsets=-1,0,1")
-    translate.add_argument("--init", choices=("mask", "random"), help="padir")
-    translate.add_argument("--tokens-per-step", type=int, help="adaptive")
-    translate.add_argument("--criterion", choices=("top_prob", "margin"), help="adaptive")
+    hints = typing.get_type_hints(config_lib.DecodeMethod)
+    for field in config_lib.decode_options():
+        _add_decode_option(translate, field, hints[field.name])
     translate.add_argument("--batch-size", type=int, default=16,
                            help="sentences decoded together (default 16)")
 
 
-TRANSLATE_OPTIONS = ("iterations", "beam_size", "length_penalty", "num_length_candidates",
-                     "length_offsets", "init", "tokens_per_step", "criterion")
+# A DecodeMethod option's flag is `--option-name`, but for these.
+FLAG_NAMES = {"num_length_candidates": "--length-candidates"}
+
+
+def _add_decode_option(parser: argparse.ArgumentParser, field: dataclasses.Field,
+                       annotation: Any) -> None:
+    """The flag of one DecodeMethod option, typed by its annotation; its help names the
+    kinds that read it (`config_lib.DECODERS`), so a new option or kind needs no edit here."""
+    kinds = [kind for kind, decoder in config_lib.DECODERS.items()
+             if field.name in decoder.options]
+    default = field.default
+    if typing.get_origin(annotation) is tuple:  # tuple[int, ...]: comma-separated
+        (element, _), default = typing.get_args(annotation), ",".join(map(str, default))
+        options = dict(metavar="D,D,...",
+                       type=lambda text: tuple(element(d) for d in text.split(",")))
+    elif typing.get_origin(annotation) is Literal:
+        options = dict(choices=typing.get_args(annotation))
+    else:
+        options = dict(type=annotation)
+    flag = FLAG_NAMES.get(field.name, "--" + field.name.replace("_", "-"))
+    parser.add_argument(flag, dest=field.name, **options,
+                        help=f"read by {', '.join(kinds)} (default {default})")
 
 
 def absolute(uri: str) -> str:
@@ -234,8 +247,8 @@ def _translate(args: argparse.Namespace) -> int:
     checkpoint = absolute(args.checkpoint)
     stage = artifacts.read(checkpoint).stage
     kind = args.method or ("ar_beam" if stage == "teacher" else "padir")
-    options = {name: getattr(args, name) for name in TRANSLATE_OPTIONS
-               if getattr(args, name) is not None}
+    options = {field.name: getattr(args, field.name) for field in config_lib.decode_options()
+               if getattr(args, field.name) is not None}
     method = config_lib.DecodeMethod(name=kind, kind=kind, **options)
     if method.stage != stage:  # before the checkpoint is restored
         raise config_lib.ConfigError(f"--method {kind} decodes with a {method.stage!r} "

@@ -50,11 +50,10 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import fsspec
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -210,30 +209,55 @@ def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Arr
 
 
 def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
-                  rng: jax.Array, *, width: int) -> dict[str, jax.Array]:
-    """The second call, into `width` positions: {"tokens": int32[B, T], "scores":
-    float32[B], "passes": int32[B]} (scores/passes of AR kinds: see `Translator`)."""
-    if method.kind in ("ar_greedy", "ar_beam"):
-        batch = encoded[0].shape[0]
-        if method.kind == "ar_greedy":
-            tokens = model.greedy(params, *encoded, width)
-            scores = jnp.zeros((batch,), jnp.float32)
-        else:
-            tokens, scores = model.beam(params, *encoded, width, method.beam_size,
-                                        method.length_penalty)
-        return {"tokens": tokens, "scores": scores, "passes": jnp.zeros((batch,), jnp.int32)}
-    if method.kind == "padir":
-        result = decoding.refine(model, params, encoded, width=width,
-                                 max_iterations=method.iterations, init=method.init,
-                                 rng=rng if method.init == "random" else None)
-    elif method.kind == "mask_predict":
-        result = decoding.mask_predict(model, params, encoded, width=width,
-                                       iterations=method.iterations)
-    else:
-        result = decoding.adaptive(model, params, encoded, width=width,
-                                   tokens_per_step=method.tokens_per_step,
-                                   criterion=method.criterion)
+                  rng: jax.Array, *, width: int) -> dict[str, Optional[jax.Array]]:
+    """The second call, into `width` positions: `SEARCHES[method.kind]`."""
+    return SEARCHES[method.kind](model, method, params, encoded, rng, width=width)
+
+
+# Each search: (model, method, params, encoded, rng, *, width) -> {"tokens": int32[B, T],
+# "scores": float32[B] or None (no score), "passes": int32[B] or None (AR: one pass per
+# hypothesis token, counted on the host)}. `encoded` is what `_encode_batch` returned.
+
+
+def _ar_greedy(model, method, params, encoded, rng, *, width):
+    return {"tokens": model.greedy(params, *encoded, width), "scores": None, "passes": None}
+
+
+def _ar_beam(model, method, params, encoded, rng, *, width):
+    tokens, scores = model.beam(params, *encoded, width, method.beam_size,
+                                method.length_penalty)
+    return {"tokens": tokens, "scores": scores, "passes": None}
+
+
+def _refine(model, method, params, encoded, rng, *, width):
+    return _result(decoding.refine(model, params, encoded, width=width,
+                                   max_iterations=method.iterations, init=method.init,
+                                   rng=rng if method.init == "random" else None))
+
+
+def _mask_predict(model, method, params, encoded, rng, *, width):
+    return _result(decoding.mask_predict(model, params, encoded, width=width,
+                                         iterations=method.iterations))
+
+
+def _adaptive(model, method, params, encoded, rng, *, width):
+    return _result(decoding.adaptive(model, params, encoded, width=width,
+                                     tokens_per_step=method.tokens_per_step,
+                                     criterion=method.criterion))
+
+
+def _result(result: Any) -> dict[str, jax.Array]:
     return {"tokens": result.tokens, "scores": result.scores, "passes": result.passes}
+
+
+# Decoding kind -> its search; `components.config.DECODERS` holds the rest of its entry.
+SEARCHES: dict[str, Callable[..., dict[str, Optional[jax.Array]]]] = {
+    "ar_greedy": _ar_greedy,
+    "ar_beam": _ar_beam,
+    "padir": _refine,
+    "mask_predict": _mask_predict,
+    "adaptive": _adaptive,
+}
 
 
 class Translator:
@@ -308,12 +332,12 @@ class Translator:
         translations = []
         for i, row in enumerate(rows):
             tokens = _hypothesis_ids(output["tokens"][i])
-            ar = self.method.stage == "teacher"
+            scores, passes = output["scores"], output["passes"]
             translations.append(Translation(
                 hypothesis=self.loaded.tokenizer.decode(tokens),
                 tokens=tokens,
-                score=None if self.method.kind == "ar_greedy" else float(output["scores"][i]),
-                passes=len(tokens) if ar else int(output["passes"][i]),
+                score=None if scores is None else float(scores[i]),
+                passes=len(tokens) if passes is None else int(passes[i]),
                 source_tokens=len(row),
                 truncated=len(pieces[i]) + 1 > widest,
                 latency_s=seconds / len(rows),

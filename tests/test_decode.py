@@ -91,6 +91,18 @@ def test_decode_methods_refuse_options_their_kind_does_not_read():
     assert [m.kind for m in config_lib.DecodeConfig().methods].count("padir") == 4
 
 
+def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
+    assert list(inference.SEARCHES) == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
+    fields = {field.name for field in config_lib.decode_options()}
+    flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
+    for kind, decoder in config_lib.DECODERS.items():
+        assert decoder.stage in ("teacher", "train") and set(decoder.options) <= fields, kind
+    assert {name for name in vars(flags) if name in fields} == fields  # one flag per option
+    assert cli.build_parser().parse_args(
+        ["translate", "--checkpoint", "c", "--length-offsets=-1,0,1", "--init", "random",
+         "--length-candidates", "2"]).length_offsets == (-1, 0, 1)
+
+
 # --- the handler -------------------------------------------------------------------------
 
 
