@@ -4,7 +4,7 @@
 or scores needs, and nothing about optimisation:
 
     params = model.init(rng, batch)                      # plain arrays, no boxes
-    loss, metrics = model.loss_fn(params, batch, rng, num_stages=..., remask_stutter=...)
+    loss, metrics = model.loss_fn(params, batch, rng)   # PaDIR also: num_stages, remask_stutter
     tokens = model.predict_batch(params, batch)          # int32[B, T]
 
 A batch is `{"source": int32[B, S], "target": int32[B, T]}`: ids followed by EOS,
@@ -131,13 +131,9 @@ class ARModel(_BaseModel):
         batch: Batch,
         rng: jax.Array,
         *,
-        num_stages: int = 1,
-        remask_stutter: bool = False,
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Teacher-forced loss per token. `num_stages`/`remask_stutter` are ignored (they
-        exist so that both models take the same call). `rng` drives dropout."""
-        del num_stages, remask_stutter
+        """Teacher-forced loss per token. `rng` drives dropout."""
         logits = self.module.apply(
             {"params": params},
             batch["source"],

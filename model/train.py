@@ -1,8 +1,10 @@
 """The training engine: one loop for the AR teacher and the PaDIR student.
 
 The model is anything with the small interface of model/models.py (`init(rng, batch)`,
-`loss_fn(params, batch, rng, *, num_stages, remask_stutter) -> (loss, metric sums)`,
+`loss_fn(params, batch, rng, *, deterministic, **loss_options) -> (loss, metric sums)`,
 `predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
+`loss_options` are a run's static loss settings (the student's `num_stages` and
+`remask_stutter`; none for the teacher), given as they are to `model.loss_fn`.
 
 Steps are pure module-level functions (`train_step`, `eval_step`) compiled once per batch
 shape with explicit shardings (`jit_*` handles; the state is donated). The per-step RNG is
@@ -136,17 +138,14 @@ def train_step(
     *,
     model: Any,
     tx: optax.GradientTransformation,
-    num_stages: int,
-    remask_stutter: bool,
+    **loss_options: Any,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update. Returns the new state and the step's metric sums (plus the
     loss it optimised, `objective`, and the gradient norm before clipping)."""
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params):
-        return model.loss_fn(
-            params, batch, rng, num_stages=num_stages, remask_stutter=remask_stutter
-        )
+        return model.loss_fn(params, batch, rng, **loss_options)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -162,15 +161,11 @@ def eval_step(
     rng: jax.Array,
     *,
     model: Any,
-    num_stages: int,
-    remask_stutter: bool,
+    **loss_options: Any,
 ) -> dict[str, jax.Array]:
     """Metric sums of one dev batch: no dropout, and a fixed `rng` for the noise, so that
     evaluations are comparable."""
-    _, metrics = model.loss_fn(
-        params, batch, rng, num_stages=num_stages, remask_stutter=remask_stutter,
-        deterministic=True,
-    )
+    _, metrics = model.loss_fn(params, batch, rng, deterministic=True, **loss_options)
     return metrics
 
 
@@ -188,15 +183,12 @@ def compile_steps(
     tx: optax.GradientTransformation,
     state_shardings: TrainState,
     batch_sharding: NamedSharding,
-    *,
-    num_stages: int,
-    remask_stutter: bool,
+    **loss_options: Any,
 ) -> CompiledSteps:
     """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` with explicit
     shardings: state as laid out, batches split over their mesh axes, metrics replicated.
     Each compiles once per distinct batch shape (one per length bucket)."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    loss_options = dict(num_stages=num_stages, remask_stutter=remask_stutter)
     jit_train_step = jax.jit(
         functools.partial(train_step, model=model, tx=tx, **loss_options),
         in_shardings=(state_shardings, batch_sharding),
@@ -292,27 +284,33 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def evaluate(
-    steps: CompiledSteps,
-    params: Any,
-    dev_batches: Sequence[Batch],
-    *,
-    rng: jax.Array,
-    batch_sharding: NamedSharding,
-    detokenize: Optional[Callable[[Sequence[int]], str]] = None,
-    references: Optional[Sequence[str]] = None,
-) -> dict[str, float]:
-    """Dev loss and token accuracy (per token), and SacreBLEU of `predict_batch` output.
+@dataclasses.dataclass(frozen=True)
+class DevSet:
+    """What an evaluation reads.
 
-    Args:
-      detokenize: ids of one hypothesis, cut before its first EOS -> text.
-      references: raw reference texts, one per non-padding dev row, in order.
+    Attributes:
+      batches: dev batches (a re-iterable).
+      rng: the noise key of every evaluation, so that evaluations are comparable.
+      detokenize: ids of one hypothesis, cut before its first EOS -> text (for BLEU).
+      references: raw reference texts, one per non-padding dev row, in order (for BLEU).
     """
+
+    batches: Sequence[Batch]
+    rng: jax.Array
+    detokenize: Optional[Callable[[Sequence[int]], str]] = None
+    references: Optional[Sequence[str]] = None
+
+
+def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
+             batch_sharding: NamedSharding) -> dict[str, float]:
+    """Dev loss and token accuracy (per token), and SacreBLEU of `predict_batch` output
+    when `dev` has references."""
     sums: dict[str, float] = {}
     hypotheses: list[str] = []
-    for batch in dev_batches:
+    detokenize, references = dev.detokenize, dev.references
+    for batch in dev.batches:
         device_batch = sharding.shard_batch(batch, batch_sharding)
-        for name, value in jax.device_get(steps.eval(params, device_batch, rng)).items():
+        for name, value in jax.device_get(steps.eval(params, device_batch, dev.rng)).items():
             sums[name] = sums.get(name, 0.0) + float(value)
         if references is not None:
             predicted = _to_host(steps.predict(params, device_batch))
@@ -403,8 +401,7 @@ def train(
     mesh: MeshConfig,
     checkpoint_dir: str,
     seed: int,
-    num_stages: int = 1,
-    remask_stutter: bool = False,
+    loss_options: Optional[Mapping[str, Any]] = None,
     init_checkpoint: Optional[str] = None,
     log_dir: Optional[str] = None,
     detokenize: Optional[Callable[[Sequence[int]], str]] = None,
@@ -423,6 +420,7 @@ def train(
 
     Args:
       batch_sizes: the global rows per bucket of `batches` (what data positions count).
+      loss_options: static keyword arguments of `model.loss_fn` (see the module docstring).
       dev_batches: dev batches (a re-iterable); None: no evaluation.
       detokenize, references: for dev BLEU (see `evaluate`); required if
         `loop.best_metric` is "bleu" and there are dev batches.
@@ -455,17 +453,18 @@ def train(
         try:
             state, position = _restore_or_init(
                 manager, placement, init_checkpoint, seed, batch_sizes)
-            steps = compile_steps(
-                model, tx, placement.state_shardings, placement.batch_sharding,
-                num_stages=num_stages, remask_stutter=remask_stutter,
+            eval_rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)  # no step's key
+            context = RunContext(
+                steps=compile_steps(model, tx, placement.state_shardings,
+                                    placement.batch_sharding, **(loss_options or {})),
+                batch_sharding=placement.batch_sharding, batches=batches,
+                batch_sizes=batch_sizes, num_steps=num_steps, loop=loop,
+                schedule=schedule, manager=manager, stop_signal=stop_signal,
+                deadline=deadline, is_main=jax.process_index() == 0, log_dir=log_dir,
+                dev=None if dev_batches is None else DevSet(
+                    dev_batches, eval_rng, detokenize=detokenize, references=references),
             )
-            return _run(
-                steps, state, position, manager, stop_signal,
-                batches=batches, batch_sizes=batch_sizes, dev_batches=dev_batches, num_steps=num_steps, loop=loop,
-                schedule=schedule, batch_sharding=placement.batch_sharding,
-                is_main=jax.process_index() == 0, log_dir=log_dir, detokenize=detokenize,
-                references=references, deadline=deadline,
-            )
+            return _run(context, state, position)
         finally:
             manager.wait_until_finished()
             manager.close()
@@ -494,110 +493,137 @@ def _restore_or_init(
     return state.replace(params=params), position
 
 
-def _run(
-    steps: CompiledSteps,
-    state: TrainState,
-    position: int,
-    manager,
-    stop_signal: checkpoints.StopSignal,
-    *,
-    batches: BatchSource,
-    batch_sizes: Sequence[int],
-    dev_batches,
-    num_steps: int,
-    loop: TrainLoopConfig,
-    schedule,
-    batch_sharding: NamedSharding,
-    is_main: bool,
-    log_dir: Optional[str],
-    detokenize,
-    references,
-    deadline: Optional[float],
-) -> TrainResult:
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What the loop of one run reads and never changes (`train` builds it)."""
+
+    steps: CompiledSteps
+    batch_sharding: NamedSharding
+    batches: BatchSource
+    batch_sizes: Sequence[int]
+    num_steps: int
+    loop: TrainLoopConfig  # the cadences: log_every, eval_every, checkpoint_every
+    schedule: optax.Schedule
+    manager: Any  # checkpoints.open_manager's
+    stop_signal: checkpoints.StopSignal
+    deadline: Optional[float]  # time.monotonic() value of the time budget's end
+    is_main: bool  # process 0: logs to TensorBoard and shows progress
+    log_dir: Optional[str]
+    dev: Optional[DevSet]  # None: no evaluation
+
+
+class _Monitor:
+    """Host-side reporting of one run: metric means to TensorBoard and the progress bar
+    at the log cadence, with throughput over the interval (evaluation time excluded)."""
+
+    def __init__(self, context: RunContext, step: int):
+        self.context = context
+        self.writer = _summary_writer(context.log_dir) if context.is_main else None
+        self.bar = _progress_bar(step, context.num_steps, disable=not context.is_main)
+        self.accumulator = _Accumulator()
+        self.interval_start, self.interval_tokens = time.monotonic(), 0
+
+    def record(self, step: int, metrics: dict, batch: Batch) -> None:
+        self.accumulator.push(step, metrics)
+        self.interval_tokens += int(np.count_nonzero(batch["target"])) * jax.process_count()
+        self.bar.update(1)
+
+    def log(self, step: int) -> None:
+        elapsed = time.monotonic() - self.interval_start
+        summary, n_steps = self.accumulator.take()
+        summary["learning_rate"] = float(self.context.schedule(step - 1))
+        summary["steps_per_s"] = n_steps / elapsed
+        summary["target_tokens_per_s"] = self.interval_tokens / elapsed
+        _write(self.writer, "train", summary, step)
+        postfix = {"loss": f"{summary.get('loss', summary['objective']):.3f}",
+                   "tok_s": f"{summary['target_tokens_per_s']:.0f}"}
+        deadline = self.context.deadline
+        if deadline is not None:  # the bar's ETA counts all steps; a budget ends sooner
+            postfix["budget_left"] = f"{max(0.0, deadline - time.monotonic()) / 60:.1f}min"
+        self.bar.set_postfix(postfix)
+        self.interval_start, self.interval_tokens = time.monotonic(), 0
+
+    def log_dev(self, step: int, metrics: Mapping[str, float], seconds: float) -> None:
+        self.interval_start += seconds  # evaluation is not training throughput
+        _write(self.writer, "dev", metrics, step)
+        if self.context.is_main:
+            log.info("step %d dev %s", step, _format(metrics))
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
+    """Steps to `num_steps`; after each, at their cadences: logging, the stop agreement,
+    evaluation and a checkpoint. A stop (SIGTERM, the time budget) checkpoints and returns."""
+    loop = ctx.loop
     step = last_saved = int(state.step)
     dev_metrics = stop_reason = None
-    if step >= num_steps:
-        log.info("already trained: step %d of %d", step, num_steps)
+    if step >= ctx.num_steps:
+        log.info("already trained: step %d of %d", step, ctx.num_steps)
         return TrainResult(state, position, True, None, None)
-    writer = _summary_writer(log_dir) if is_main else None
-    progress = _progress_bar(step, num_steps, disable=not is_main)
-    eval_rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)  # no train step's key
-    accumulator = _Accumulator()
-    stream = batches(position)
-    interval_start, interval_tokens = time.monotonic(), 0
+    monitor = _Monitor(ctx, step)
+    stream = ctx.batches(position)
     try:
-        while step < num_steps:
+        while step < ctx.num_steps:
             try:
                 next_position, batch = next(stream)
             except StopIteration:
                 raise RuntimeError(f"the data source ended at position {position}") from None
-            state, metrics = steps.train(state, sharding.shard_batch(batch, batch_sharding))
+            batch_on_devices = sharding.shard_batch(batch, ctx.batch_sharding)
+            state, metrics = ctx.steps.train(state, batch_on_devices)
             step, position = step + 1, next_position
-            accumulator.push(step, metrics)
-            interval_tokens += int(np.count_nonzero(batch["target"])) * jax.process_count()
-            progress.update(1)
-
-            logged = every(step, loop.log_every, num_steps)
+            monitor.record(step, metrics, batch)
+            logged = every(step, loop.log_every, ctx.num_steps)
             if logged:
-                elapsed = time.monotonic() - interval_start
-                summary, n_steps = accumulator.take()
-                summary["learning_rate"] = float(schedule(step - 1))
-                summary["steps_per_s"] = n_steps / elapsed
-                summary["target_tokens_per_s"] = interval_tokens / elapsed
-                _write(writer, "train", summary, step)
-                postfix = {"loss": f"{summary.get('loss', summary['objective']):.3f}",
-                           "tok_s": f"{summary['target_tokens_per_s']:.0f}"}
-                if deadline is not None:  # the bar's ETA counts all steps; a budget ends sooner
-                    minutes_left = max(0.0, deadline - time.monotonic()) / 60
-                    postfix["budget_left"] = f"{minutes_left:.1f}min"
-                progress.set_postfix(postfix)
-                interval_start, interval_tokens = time.monotonic(), 0
-
-            stop = stop_signal.received is not None or (
-                deadline is not None and time.monotonic() > deadline
-            )
-            if jax.process_count() > 1:
-                # Processes must stop at the same step; agreeing costs a host round trip,
-                # so they agree at the log cadence only.
-                stop = logged and checkpoints.any_process(stop)
-            # The time budget ends with an evaluated checkpoint, so the best one is known;
-            # SIGTERM (preemption) saves at once.
-            evaluated = dev_batches is not None and (
-                every(step, loop.eval_every, num_steps)
-                or (stop and stop_signal.received is None)
-            )
+                monitor.log(step)
+            stop = _stop_agreed(ctx, logged)
+            evaluated = _evaluation_due(ctx, step, stop)
             if evaluated:
-                accumulator.flush()  # never evaluate or save a state that went NaN
+                monitor.accumulator.flush()  # never evaluate or save a state that went NaN
                 started = time.monotonic()
-                dev_metrics = evaluate(
-                    steps, state.params, dev_batches, rng=eval_rng,
-                    batch_sharding=batch_sharding, detokenize=detokenize,
-                    references=references,
-                )
-                interval_start += time.monotonic() - started  # not training throughput
-                _write(writer, "dev", dev_metrics, step)
-                if is_main:
-                    log.info("step %d dev %s", step, _format(dev_metrics))
-
-            if evaluated or stop or every(step, loop.checkpoint_every, num_steps):
-                accumulator.flush()
+                dev_metrics = evaluate(ctx.steps, state.params, ctx.dev, ctx.batch_sharding)
+                monitor.log_dev(step, dev_metrics, time.monotonic() - started)
+            if evaluated or stop or every(step, loop.checkpoint_every, ctx.num_steps):
+                monitor.accumulator.flush()
                 checkpoints.save(
-                    manager, state, position=position, batch_sizes=batch_sizes,
+                    ctx.manager, state, position=position, batch_sizes=ctx.batch_sizes,
                     metrics=_checkpoint_metrics(dev_metrics) if evaluated else None,
                 )
                 last_saved = step
             if stop:
-                stop_reason = "SIGTERM" if stop_signal.received is not None else "time budget"
+                stop_reason = "SIGTERM" if ctx.stop_signal.received is not None else "time budget"
                 log.warning("stopping at step %d of %d (%s); checkpoint saved",
-                            step, num_steps, stop_reason)
+                            step, ctx.num_steps, stop_reason)
                 break
-        accumulator.flush()
+        monitor.accumulator.flush()
     finally:
-        progress.close()
-        if writer is not None:
-            writer.close()
+        monitor.close()
     assert last_saved == step, (last_saved, step)
-    return TrainResult(state, position, step >= num_steps, stop_reason, dev_metrics)
+    return TrainResult(state, position, step >= ctx.num_steps, stop_reason, dev_metrics)
+
+
+def _stop_agreed(ctx: RunContext, logged: bool) -> bool:
+    """Whether to stop after this step: SIGTERM or past the deadline, in any process."""
+    stop = ctx.stop_signal.received is not None or (
+        ctx.deadline is not None and time.monotonic() > ctx.deadline
+    )
+    if jax.process_count() > 1:
+        # Processes must stop at the same step; agreeing costs a host round trip, so they
+        # agree at the log cadence only.
+        stop = logged and checkpoints.any_process(stop)
+    return stop
+
+
+def _evaluation_due(ctx: RunContext, step: int, stop: bool) -> bool:
+    """At the eval cadence; and when the time budget stops the run, so that the best
+    checkpoint is known (SIGTERM, a preemption, saves at once without evaluating)."""
+    return ctx.dev is not None and (
+        every(step, ctx.loop.eval_every, ctx.num_steps)
+        or (stop and ctx.stop_signal.received is None)
+    )
 
 
 def _checkpoint_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -664,8 +690,8 @@ def train_teacher(
     """
     return train(
         model, batches, dev_batches,
-        num_steps=cfg.steps, batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
-        checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
+        num_steps=cfg.steps, batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop,
+        mesh=mesh, checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
         detokenize=detokenize, references=references, deadline=_deadline(cfg.loop),
     )
 
@@ -700,13 +726,14 @@ def train_student(
     phase1_dir = f"{checkpoint_dir.rstrip('/')}/phase1"
     result = train(
         model, batches, dev_batches, num_steps=cfg.phase1_steps, checkpoint_dir=phase1_dir,
-        seed=seed, num_stages=1, log_dir=log_dir and f"{log_dir}/phase1", **common,
+        seed=seed, loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
+        **common,
     )
     if not result.completed or cfg.phase2_steps == 0:
         return result
     return train(
         model, batches, dev_batches, num_steps=cfg.phase2_steps,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2", seed=seed + 1,
-        num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
+        loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter),
         init_checkpoint=phase1_dir, log_dir=log_dir and f"{log_dir}/phase2", **common,
     )

@@ -40,7 +40,7 @@ def pairs(count: int, seed: int = 0) -> dict:
 BATCH = pairs(4)
 
 
-def train(model, params, steps: int, *, num_stages: int = 1, learning_rate: float = 3e-3):
+def train(model, params, steps: int, *, learning_rate: float = 3e-3):
     """`steps` Adam steps on BATCH, in one compiled scan."""
     optimizer = optax.adam(learning_rate)
 
@@ -50,7 +50,7 @@ def train(model, params, steps: int, *, num_stages: int = 1, learning_rate: floa
             params, opt_state = carry
 
             def loss(p):
-                return model.loss_fn(p, BATCH, step_rng, num_stages=num_stages)[0]
+                return model.loss_fn(p, BATCH, step_rng)[0]
 
             grads = jax.grad(loss)(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)
