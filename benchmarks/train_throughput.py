@@ -85,8 +85,9 @@ def measure(name, model, num_stages, args, rng) -> dict:
     tx, _ = train.make_optimizer(OptimizerConfig(), total_steps=1000)
     placement = train.place(model, tx, MeshConfig())
     state = placement.create_state(seed=0)
+    loss_options = dict(num_stages=num_stages, remask_stutter=False) if padir else {}
     steps = train.compile_steps(model, tx, placement.state_shardings, placement.batch_sharding,
-                                num_stages=num_stages, remask_stutter=False)
+                                **loss_options)
     batch = sharding.shard_batch(
         synthetic_batch(rng, args.vocab, args.batch, args.length, args.length),
         placement.batch_sharding,
