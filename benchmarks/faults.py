@@ -10,7 +10,7 @@ forked). Checks, per stage:
                 refuses the output or returns one identical to the reference;
   identical     each rerun's output equals the reference: files byte for byte, training
                 checkpoints array for array (bitwise), apart from measured times
-                (`MEASURED_FILES`, `MEASURED_KEYS`);
+                (`MEASURED_FILES`, `measured`);
   resumed       reruns that completed, and of those how many continued from a checkpoint;
   leftovers     what the kills left in the workdir after the reruns (`artifacts.leftovers`),
                 which `padir status` must list and `padir gc` remove (checked at the end,
@@ -49,11 +49,17 @@ TRAINING_STAGES = ("teacher", "train")
 MEASURED_FILES = {
     "teacher": ("tensorboard/*",),  # event files carry wall times
     "train": ("tensorboard/*",),
-    "score": ("report.md", "plots/*"),  # rendered from the latencies in report.json
+    # rendered from the latencies in report.json
+    "score": ("report.md", "plots/*/bleu_vs_latency.png", "plots/*/latency_vs_length.png"),
 }
-# JSON keys (in manifests, .json and .jsonl files) whose values are measured times.
-MEASURED_KEYS = ("wall_seconds", "created", "latency_s", "seconds", "batch_seconds",
-                 "sentences_per_s", "tokens_per_s", "latency_ms")
+
+
+def measured(key: str) -> bool:
+    """Whether a JSON key (in manifests, .json and .jsonl files) holds a measured time or a
+    rate or ratio of times: `wall_seconds`, `latency_s`, `tokens_per_s`, `speedup`..."""
+    return key == "created" or key.endswith(("seconds", "_s")) or key.startswith(
+        ("latency", "speedup"))
+
 POLL_SECONDS = 0.05
 SAME = "identical"
 
@@ -182,7 +188,7 @@ def _content(path: str) -> Any:
 def _unmeasured(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _unmeasured(child) for key, child in value.items()
-                if key not in MEASURED_KEYS}
+                if not measured(key)}
     if isinstance(value, list):
         return [_unmeasured(child) for child in value]
     return value
