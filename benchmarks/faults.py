@@ -32,6 +32,7 @@ import fnmatch
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -81,6 +82,7 @@ class StageResult:
     """What the runs of one stage showed (the table row), filled as they run."""
 
     stage: str
+    attempts: int = 0  # kills tried; a run that ended before its moment was not killed
     kills: int = 0
     resumed: int = 0
     from_checkpoint: int = 0
@@ -257,6 +259,7 @@ def inject(bench: Bench, stage: str, kills: int, rng: random.Random) -> StageRes
             os.rename(final, bench.aside(f"{stage}-rerun-{trial - 1}"))
         kill_at = rng.uniform(low, high)
         killed = run_stage(bench, stage, kill_at=kill_at)
+        result.attempts += 1
         left = sorted({item.kind for item in artifacts.leftovers(bench.config.workdir, [stage])
                        if item.key == key})
         note = f"kill {trial} at {kill_at:.1f}s: "
@@ -307,6 +310,8 @@ def check_status_and_gc(bench: Bench, results: Sequence[StageResult]) -> list[st
     for stage, files in outputs.items():
         if _files(dag.output_uri(bench.config, stage)) != files:
             problems.append(f"padir gc changed the output of {stage}")
+    print(f"padir status listed {len(listed)} leftovers, padir gc removed them: "
+          f"{'ok' if not problems else 'FAILED'}", flush=True)
     return problems
 
 
@@ -328,9 +333,11 @@ def table(results: Sequence[StageResult]) -> str:
     for r in results:
         kinds = sorted({item.kind for item in r.leftovers})
         leftovers = f"{len(r.leftovers)}" + (f" ({', '.join(kinds)})" if kinds else "")
-        if r.tmpdir_leftovers:
-            leftovers += f" + {len(r.tmpdir_leftovers)} in TMPDIR"
-        rows.append((r.stage, str(r.kills),
+        if r.tmpdir_leftovers:  # names without the random part that tempfile adds
+            names = sorted({re.sub(r"[a-z0-9_]{8}(\.py)?$", "*", name)
+                            for name in r.tmpdir_leftovers})
+            leftovers += f" + {len(r.tmpdir_leftovers)} in TMPDIR ({', '.join(names)})"
+        rows.append((r.stage, f"{r.kills}/{r.attempts}",
                      f"{r.resumed}" + (f" ({r.from_checkpoint} from ckpt)"
                                        if r.stage in TRAINING_STAGES else ""),
                      f"{r.identical}/{r.resumed}", str(r.read_partial), leftovers))
