@@ -7,7 +7,8 @@ wrote its output, and the stage is run again to completion. Each run is its own
 `python -m flows.cli stage NAME CONFIG` process, as a user would start it (JAX cannot be
 forked). Checks, per stage:
   read partial  after a kill, `artifacts.require` (how every stage reads its inputs) either
-                refuses the output or returns one identical to the reference;
+                refuses the output or returns a whole one: the reference's files at the
+                reference's sizes (its content is compared too, and reported);
   identical     each rerun's output equals the reference: files byte for byte, training
                 checkpoints array for array (bitwise), apart from measured times
                 (`MEASURED_FILES`, `measured`);
@@ -171,6 +172,18 @@ def differences(stage: str, want: str, got: str) -> list[str]:
     return differ
 
 
+def truncated(stage: str, want: str, got: str) -> list[str]:
+    """Paths that `got` lacks, or holds at another size than `want`: what a partial output
+    shows (content that only differs as `differences` finds it is a determinism matter)."""
+    def sizes(root: str) -> dict[str, int]:
+        return {path: os.path.getsize(os.path.join(root, path)) for path in _files(root)
+                if not any(fnmatch.fnmatch(path, pattern)
+                           for pattern in MEASURED_FILES.get(stage, ()) + (artifacts.MANIFEST,))}
+
+    have = sizes(got)
+    return sorted(path for path, size in sizes(want).items() if have.get(path) != size)
+
+
 def _files(root: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(folder, name), root)
                   for folder, _, names in os.walk(root) for name in names)
@@ -319,11 +332,12 @@ def compare(results: Sequence[StageResult]) -> None:
     """Fills `identical` and `read_partial` (after every process ran: this imports orbax)."""
     for result in results:
         for check, want, got in result.comparisons:
+            if check != SAME and truncated(result.stage, want, got):
+                result.read_partial += 1
+                result.failures.append(f"{check}: {got} lacks or cuts short "
+                                       f"{truncated(result.stage, want, got)[:10]}")
             differ = differences(result.stage, want, got)
-            if check == SAME:
-                result.identical += not differ
-            else:
-                result.read_partial += bool(differ)
+            result.identical += check == SAME and not differ
             if differ:
                 result.failures.append(f"{check}: {got} differs from {want} in {differ[:10]}")
 
