@@ -85,7 +85,7 @@ def serialize_example(pair_id: str, source: Sequence[int], target: Sequence[int]
         "source_length": ints([len(source)]),
         "target_length": ints([len(target)]),
     }))
-    return example.SerializeToString()
+    return example.SerializeToString(deterministic=True)  # map order fixed: byte-identical shards
 
 
 def summarize_lengths(histogram: Mapping[int, int]) -> dict:

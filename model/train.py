@@ -561,9 +561,9 @@ def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
     loop = ctx.loop
     step = last_saved = int(state.step)
     dev_metrics = stop_reason = None
-    if step >= ctx.num_steps:
+    if step >= ctx.num_steps:  # e.g. killed during publication: the last evaluation stands
         log.info("already trained: step %d of %d", step, ctx.num_steps)
-        return TrainResult(state, position, True, None, None)
+        return TrainResult(state, position, True, None, ctx.manager.metrics(step))
     monitor = _Monitor(ctx, step)
     stream = ctx.batches(position)
     try:
@@ -627,7 +627,9 @@ def _evaluation_due(ctx: RunContext, step: int, stop: bool) -> bool:
 
 
 def _checkpoint_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if k in ("loss", "accuracy", "bleu")}
+    """Every dev metric, saved with its step: a rerun that finds training finished
+    publishes the same metrics as the run that was killed after its last evaluation."""
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def _format(metrics: Mapping[str, float]) -> str:

@@ -35,6 +35,7 @@ import collections
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -290,7 +291,11 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
         if distinct_words == 0:
             raise ValueError(f"the train split of {prepared.uri} has no words")
 
-        local_dir = tempfile.mkdtemp(prefix="padir-vocab-")
+        # SentencePiece records its input and output paths in the model file: a fixed local
+        # directory per key (one writer: the lease) keeps reruns byte-identical.
+        local_dir = os.path.join(tempfile.gettempdir(), "padir-vocab", out.key)
+        shutil.rmtree(local_dir, ignore_errors=True)
+        os.makedirs(local_dir)
         try:
             local_counts = f"{local_dir}/{WORD_COUNTS_FILE}"
             _fetch(out.path(WORD_COUNTS_FILE), local_counts)

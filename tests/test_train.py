@@ -121,12 +121,15 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
     assert len(references) == 14
     loop = TrainLoopConfig(log_every=2, eval_every=3, checkpoint_every=100,
                            keep_checkpoints=1, best_metric="bleu")
-    result = train.train(
-        toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
-        batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
-        checkpoint_dir=str(tmp_path / "ckpt"), seed=0, log_dir=str(tmp_path / "tb"),
-        detokenize=_detokenize, references=references,
-    )
+    def run():
+        return train.train(
+            toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
+            batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
+            checkpoint_dir=str(tmp_path / "ckpt"), seed=0, log_dir=str(tmp_path / "tb"),
+            detokenize=_detokenize, references=references,
+        )
+
+    result = run()
     metrics = result.dev_metrics
     assert result.completed and set(metrics) >= {"loss", "accuracy", "bleu", "tokens"}
     assert 0.0 <= metrics["bleu"] <= 100.0 and 0.0 <= metrics["accuracy"] <= 1.0
@@ -137,6 +140,9 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
     manager.close()
     # evaluated at 3, 6, 7: the latest (7) and the best by dev BLEU are kept
     assert 7 in steps and best in steps and set(steps) <= {3, 6, 7}
+    # A rerun (say, after a kill during publication) finds training done: same metrics.
+    again = run()
+    assert again.completed and again.dev_metrics == pytest.approx(dict(metrics))
 
 
 def test_time_budget_checkpoints_and_stops(tmp_path):

@@ -136,9 +136,13 @@ def test_stage_smoke(config_path):
         assert (metrics["dev"][lang]["byte_fallback_rate"] > 0) == (coverage < 1)
     assert "🐕" not in kept_chars and metrics["dev"]["en"]["byte_fallback_rate"] > 0
 
-    # A rerun recomputes the stage (same key) and gives the same model.
+    # A rerun recomputes the stage (same key) and writes the same model, byte for byte.
+    with open(artifact.path(tokenizer_lib.MODEL_FILE), "rb") as f:
+        model_bytes = f.read()
     rerun = vocab.run(config)
     assert rerun.uri == artifact.uri
+    with open(rerun.path(tokenizer_lib.MODEL_FILE), "rb") as f:
+        assert f.read() == model_bytes
     again = tokenizer_lib.Tokenizer.load(rerun.path(tokenizer_lib.MODEL_FILE))
     assert [again.id_to_piece(i) for i in range(300)] == [
         tokenizer.id_to_piece(i) for i in range(300)]
