@@ -21,7 +21,8 @@ from components.corpus import CorpusError
 from flows import local_api, stages
 
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
-USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError)
+USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError,
+               artifacts.LeaseHeldError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

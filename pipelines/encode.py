@@ -53,7 +53,7 @@ from typing import Iterator, Mapping, Sequence
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
-from components import artifacts, corpus, dag, logs, records
+from components import artifacts, corpus, dag, records
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from pipelines import options as options_lib
@@ -276,16 +276,17 @@ def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> art
     return artifact
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    logs.configure()
-    config, beam_args = options_lib.parse_args(argv, description=__doc__.splitlines()[0])
+def _run_selected(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """`--distilled` among the job's flags selects the encode_distilled stage."""
     which = argparse.ArgumentParser(add_help=False)
     which.add_argument("--distilled", action="store_true",
                        help="the encode_distilled stage (the distill artifact's pairs)")
     known, beam_args = which.parse_known_args(beam_args)
-    artifact = (run_distilled if known.distilled else run)(config, beam_args=beam_args)
-    print(f"{artifact.stage}: {artifact.uri}")
-    return 0
+    return (run_distilled if known.distilled else run)(config, beam_args=beam_args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return options_lib.main(_run_selected, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ which override the config's `beam` section:
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from components import artifacts, corpus, logs
 from components import config as config_lib
-from components import logs
 
 
 def parse_args(argv: Sequence[str] | None, description: str) -> tuple[config_lib.Config, list[str]]:
@@ -35,10 +36,21 @@ def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -
     return PipelineOptions(flags)
 
 
+# What a user can fix: a bad config or corpus, a missing input, a key another run holds.
+USER_ERRORS = (config_lib.ConfigError, corpus.CorpusError, artifacts.IncompleteArtifactError,
+               artifacts.LeaseHeldError)
+
+
 def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
-    """The body of a Beam job's `main`: parse, run the stage, print its artifact."""
+    """The body of every Beam job's `main`: parse, run the stage, print its artifact. Bad
+    input is one line on stderr (`prepare: error: ...`) and exit status 2, no traceback."""
     logs.configure()
-    config, beam_args = parse_args(argv, description=description.splitlines()[0])
-    artifact = run(config, beam_args=beam_args)
+    job = run.__module__.rsplit(".", 1)[-1]
+    try:
+        config, beam_args = parse_args(argv, description=description.splitlines()[0])
+        artifact = run(config, beam_args=beam_args)
+    except USER_ERRORS as e:
+        print(f"{job}: error: {e}", file=sys.stderr)
+        return 2
     print(f"{artifact.stage}: {artifact.uri}")
     return 0

@@ -39,7 +39,7 @@ from typing import Iterator, Optional, Sequence
 import apache_beam as beam
 from apache_beam.metrics.metric import Metrics, MetricsFilter
 
-from components import artifacts, corpus, dag, logs
+from components import artifacts, corpus, dag
 from components import config as config_lib
 from pipelines import options
 
@@ -279,15 +279,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the stage alone; bad input is one line on stderr and exit status 2."""
-    logs.configure()
-    try:
-        config, beam_args = options.parse_args(argv, description=__doc__)
-        print(run(config, beam_args).uri)
-    except (config_lib.ConfigError, corpus.CorpusError) as e:
-        print(f"prepare: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return options.main(run, argv, __doc__)
 
 
 if __name__ == "__main__":

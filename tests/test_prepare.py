@@ -258,7 +258,8 @@ def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
     }))
 
     assert prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=3"]) == 0
-    uri = capsys.readouterr().out.strip().splitlines()[-1]
+    stage, uri = capsys.readouterr().out.strip().splitlines()[-1].split(": ")  # "prepare: URI"
+    assert stage == "prepare"
     counts = artifacts.read(uri).manifest["counts"]
     assert counts["read.train"] == len(lines) - 1
     assert counts["rejected.malformed"] == 1
