@@ -17,7 +17,10 @@ QUIET_LOGGERS = (
 # Messages dropped whoever logs them. Beam's RunInference imports its model manager, which
 # needs torch, in the same `try` as the `resource` module: without torch it warns at every
 # model load that memory usage cannot be fetched, on Linux too (apache-beam 2.77).
-DROPPED_MESSAGES = ("Resource module is not available for current platform",)
+# Orbax warns at every read-only restore (decoding, distillation) that it will not save.
+DROPPED_MESSAGES = ("Resource module is not available for current platform",
+                    "CheckpointManagerOptions.read_only=True",
+                    "Given directory is read only")
 
 
 class _DropMessages(logging.Filter):
