@@ -74,4 +74,6 @@ def test_a_server_that_never_starts_fails_within_its_deadline(tmp_path):
     assert errors == [f"padir: error: the temporary Prefect API did not start (PREFECT_HOME "
                       f"{home}): Timed out while attempting to connect to ephemeral Prefect "
                       "API server."]
-    assert "Traceback" not in proc.stderr
+    # The server process may log its own start-up failure (uvicorn's traceback, on a fast
+    # machine) before padir gives up; padir itself prints no traceback.
+    assert 'flows/' not in proc.stderr
