@@ -50,14 +50,14 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import fsspec
 import jax
 import numpy as np
 import yaml
 
-from components import artifacts, corpus
+from components import artifacts
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, MODEL_FILE, PAD_ID, Tokenizer
@@ -365,26 +365,3 @@ class Translator:
             self._jit_search(self.loaded.params, encoded, self._rng, width=width))
         done = time.perf_counter()
         return output, done - started, encoded_at - started, done - chosen_at, width
-
-
-def translate_lines(uri: str, method: DecodeMethod, lines: Iterable[str], *,
-                    batch_size: int = 16) -> Iterator[str]:
-    """Translations of text lines with the artifact at `uri`, one output line per input
-    line. Lines are normalised as the prepare stage normalises sources
-    (`corpus.normalise`); one that is then empty gives an empty output line. Lines are
-    read `batch_size` at a time, so a stream is translated as it arrives."""
-    translator = Translator(load(uri), method, batch_size=batch_size)
-    pending: list[str] = []
-
-    def flush() -> Iterator[str]:
-        texts = [text for text in pending if text]
-        translated = iter(translator.translate(texts)) if texts else iter(())
-        for text in pending:
-            yield next(translated).hypothesis if text else ""
-        pending.clear()
-
-    for line in lines:
-        pending.append(corpus.normalise(line))
-        if len(pending) == batch_size:
-            yield from flush()
-    yield from flush()
