@@ -91,9 +91,10 @@ class DataConfig:
     """Where the raw parallel text comes from.
 
     If `dev` is not given, a dev split is carved from train deterministically (by the seed,
-    hashing the source sentence so that all translations of one source land in one split).
-    Likewise a test split named "test" when `test` is empty. `max_train_pairs` reads only
-    the first N training pairs (the demo's slice).
+    hashing the `carve_by` side so that all translations of one sentence land in one split:
+    `target` where a corpus has several sources per target, as Tatoeba de->en has several
+    German sentences per English one). Likewise a test split named "test" when `test` is
+    empty. `max_train_pairs` reads only the first N training pairs (the demo's slice).
     """
 
     source_lang: str = "en"
@@ -103,9 +104,12 @@ class DataConfig:
     test: tuple[TestSetConfig, ...] = ()
     carve_dev_fraction: float = 0.02
     carve_test_fraction: float = 0.02
+    carve_by: Literal["source", "target"] = "source"
     max_train_pairs: Optional[int] = None
 
     def __post_init__(self):
+        if self.carve_by not in ("source", "target"):  # also when built in code, not parsed
+            raise ConfigError("data.carve_by: expected 'source' or 'target'")
         for name in ("carve_dev_fraction", "carve_test_fraction"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"data.{name}: expected a fraction in [0, 1)")

@@ -36,8 +36,9 @@ de-duplicated against train. Rejected dev/test pairs are counted under their spl
 
 Splits: a pair's id is `"{split_of_origin}:{line:06d}"` (0-based line in the raw input,
 e.g. `train:000123`) and never changes. When dev or test sets are not given, they are
-carved from train by `carve_split`, hashing (seed, normalised source) so that all
-translations of one source sentence land in the same split.
+carved from train by `carve_split`, hashing the seed and the normalised side that
+`data.carve_by` names (the source by default), so that all translations of one sentence on
+that side land in the same split.
 
 Output contract of the stage (read it with `read_split`): `{split}-SSSSS-of-NNNNN.jsonl`
 files of `{"id", "source", "target"}` lines for `train`, `dev` and each test set name
@@ -147,14 +148,15 @@ def output_splits(data: DataConfig) -> tuple[str, ...]:
     return (TRAIN, DEV, *tests)
 
 
-def carve_split(source: str, *, seed: int, data: DataConfig) -> str:
+def carve_split(text: str, *, seed: int, data: DataConfig) -> str:
     """The split a pair read from train goes to: `train`, or a carved `dev` or `test`.
 
-    The unit interval is cut into fixed bands, [0, test_fraction) for test and the next
-    dev_fraction for dev, so carving one split never moves the pairs of the other. Only the
-    splits that are not given in the config are carved.
+    `text` is the pair's `data.carve_by` side (`carve_key`). The unit interval is cut into
+    fixed bands, [0, test_fraction) for test and the next dev_fraction for dev, so carving
+    one split never moves the pairs of the other. Only the splits that are not given in the
+    config are carved.
     """
-    digest = hashlib.sha256(f"{seed}\t{source}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\t{text}".encode("utf-8")).digest()
     u = int.from_bytes(digest[:8], "big") / 2.0**64
     if u < data.carve_test_fraction:
         return CARVED_TEST if not data.test else TRAIN
@@ -163,11 +165,16 @@ def carve_split(source: str, *, seed: int, data: DataConfig) -> str:
     return TRAIN
 
 
+def carve_key(pair: Pair, data: DataConfig) -> str:
+    """The side of a pair that decides its carved split (`data.carve_by`)."""
+    return pair.target if data.carve_by == "target" else pair.source
+
+
 def output_split(pair: Pair, *, seed: int, data: DataConfig) -> str:
     """Given dev/test pairs stay in their split; train pairs may be carved out."""
     if pair.split != TRAIN:
         return pair.split
-    return carve_split(pair.source, seed=seed, data=data)
+    return carve_split(carve_key(pair, data), seed=seed, data=data)
 
 
 # --- reading ---------------------------------------------------------------------------

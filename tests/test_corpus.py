@@ -333,6 +333,25 @@ def test_output_split_keeps_translations_of_one_source_together():
     assert corpus.output_split(given, seed=0, data=data) == "test2016"
 
 
+def test_carving_by_target_keeps_the_sources_of_one_target_together():
+    # Tatoeba de->en: several German sources translate one English target.
+    data = _data(carve_dev_fraction=0.3, carve_test_fraction=0.3, carve_by="target")
+    by_source = _data(carve_dev_fraction=0.3, carve_test_fraction=0.3)
+    straddled = 0
+    for i in range(200):
+        pairs = [corpus.Pair(f"train:{j:06d}", "train", f"Deutscher Satz {i}.{j}",
+                             f"English sentence {i}.") for j in range(3)]
+        assert len({corpus.output_split(p, seed=0, data=data) for p in pairs}) == 1
+        straddled += len({corpus.output_split(p, seed=0, data=by_source) for p in pairs}) > 1
+        assert corpus.carve_key(pairs[0], data) == f"English sentence {i}."
+    assert straddled > 50  # carving by source would split most of them
+
+
+def test_carve_by_is_validated_when_built_in_code():
+    with pytest.raises(config_lib.ConfigError, match="data.carve_by"):
+        _data(carve_by="english")
+
+
 # --- the artifact readers --------------------------------------------------------------
 
 
