@@ -14,6 +14,13 @@ projection; S' = S (+1 for PaDIR's [LENGTH] token); K: decoder passes (the unrol
 decoder attention per layer: T x T self, T x S' cross, and PaDIR's T x T positional attention.
 
     python benchmarks/train_throughput.py [--batch 64 --length 32 --steps 6 --vocab 8000]
+    python benchmarks/train_throughput.py --config configs/multi30k_en_de.yaml --models teacher
+
+With `--config` (and `--set` overrides) the models, vocabulary size and batch are the
+config's: its teacher and student shapes, `vocab.size`, and `loop.tokens_per_batch` padded
+tokens per step at `--length` (the recipe study, benchmarks/recipe.py, sizes its runs so).
+The ceiling is then also measured at the model's own matmul shapes (a batch's rows times the
+attention/MLP/output-projection weights), the ceiling the step can reach in principle.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from components import config as config_lib
 from components.config import MeshConfig, ModelConfig, OptimizerConfig
 from model import sharding, train
 from model.models import ARModel, PaDIRModel
@@ -45,6 +53,27 @@ def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
         matmul(a, b).block_until_ready()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
+
+
+def model_shapes_flops_per_s(rows: int, cfg: ModelConfig, vocab: int, reps: int = 5) -> float:
+    """FLOP/s of the step's own matmuls: `rows` activations times the projection, MLP and
+    output weights (forward shapes; best of `reps` each), weighted by their FLOPs."""
+    shapes = [(cfg.d_model, cfg.d_model), (cfg.d_model, cfg.mlp_dim),
+              (cfg.mlp_dim, cfg.d_model), (cfg.d_model, vocab)]
+    matmul = jax.jit(jnp.matmul)
+    flops = seconds = 0.0
+    for k, n in shapes:
+        a = jax.random.normal(jax.random.PRNGKey(0), (rows, k), jnp.float32)
+        b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
+        matmul(a, b).block_until_ready()
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            matmul(a, b).block_until_ready()
+            best = min(best, time.perf_counter() - start)
+        flops += 2 * rows * k * n
+        seconds += best
+    return flops / seconds
 
 
 def _count(tree, skip=()) -> int:
@@ -106,6 +135,7 @@ def measure(name, model, num_stages, args, rng) -> dict:
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
     ceiling = matmul_flops_per_s()
+    own_ceiling = model_shapes_flops_per_s(args.batch * args.length, cfg, args.vocab)
     seconds = min(times)  # least disturbed by other processes, like the ceiling's best-of
     target_tokens = args.batch * args.length
     return {
@@ -119,6 +149,8 @@ def measure(name, model, num_stages, args, rng) -> dict:
         "achieved_GFLOP_per_s": round(flops / seconds / 1e9, 1),
         "matmul_GFLOP_per_s": round(ceiling / 1e9, 1),
         "fraction_of_matmul": round(flops / seconds / ceiling, 3),
+        "own_shapes_GFLOP_per_s": round(own_ceiling / 1e9, 1),
+        "fraction_of_own_shapes": round(flops / seconds / own_ceiling, 3),
         "compile_and_warmup_s": round(warmup, 1),
         "loss": round(float(metrics["objective"]), 3),
     }
@@ -130,19 +162,32 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=32, help="source and target length")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per model")
     parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--config", help="measure this config's models at its batch size")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--models", default="teacher,phase1,phase2",
+                        help="comma-separated subset of teacher,phase1,phase2")
     args = parser.parse_args(argv)
-    cfg = ModelConfig()  # the small default: d_model 256, 3+3 layers
+    teacher_cfg = student_cfg = ModelConfig()  # the small default: d_model 256, 3+3 layers
+    label_smoothing = 0.1
+    if args.config:
+        config = config_lib.load(args.config, args.set)
+        teacher_cfg, student_cfg = config.teacher.model, config.train.model
+        label_smoothing = config.teacher.label_smoothing
+        args.vocab = config.vocab.size
+        args.batch = max(1, config.teacher.loop.tokens_per_batch // args.length)
     rng = np.random.default_rng(0)
     print(f"devices: {jax.devices()}  batch {args.batch} x length {args.length}, "
-          f"vocab {args.vocab}, d_model {cfg.d_model}, "
-          f"{cfg.num_encoder_layers}+{cfg.num_decoder_layers} layers")
-    runs = [
-        ("teacher (AR)", ARModel(cfg, args.vocab, label_smoothing=0.1), 1),
-        ("PaDIR phase 1 (K=1)", PaDIRModel(cfg, args.vocab, FIRST_REAL_ID), 1),
-        ("PaDIR phase 2 (K=2)", PaDIRModel(cfg, args.vocab, FIRST_REAL_ID), 2),
-    ]
-    for name, model, stages in runs:
-        print(json.dumps(measure(name, model, stages, args, rng)), flush=True)
+          f"vocab {args.vocab}", flush=True)
+    runs = {
+        "teacher": ("teacher (AR)", lambda: ARModel(teacher_cfg, args.vocab, label_smoothing), 1),
+        "phase1": ("PaDIR phase 1 (K=1)",
+                   lambda: PaDIRModel(student_cfg, args.vocab, FIRST_REAL_ID), 1),
+        "phase2": ("PaDIR phase 2 (K=2)",
+                   lambda: PaDIRModel(student_cfg, args.vocab, FIRST_REAL_ID), 2),
+    }
+    for key in args.models.split(","):
+        name, make_model, stages = runs[key]
+        print(json.dumps(measure(name, make_model(), stages, args, rng)), flush=True)
 
 
 if __name__ == "__main__":
