@@ -408,21 +408,38 @@ def split_pattern(artifact_uri: str, split: str) -> str:
     return artifacts.join(artifact_uri, f"{split}-?????-of-?????.jsonl")
 
 
-def read_split(artifact_uri: str, split: str) -> Iterator[dict]:
-    """The records of one split of a prepare artifact, in id order.
+def split_files(artifact_uri: str, split: str) -> list[str]:
+    """The URIs of the shards of `split` (or `rejects`) in a prepare-format artifact, sorted.
 
     Raises:
       FileNotFoundError: the artifact has no files for `split`.
     """
     pattern = split_pattern(artifact_uri, split)
     fs, path = artifacts.filesystem(pattern)
-    files = sorted(fs.glob(path))
+    files = [fs.unstrip_protocol(file) for file in sorted(fs.glob(path))]
     if not files:
-        raise FileNotFoundError(f"no files match {pattern}")
-    records = []
-    for file in files:
-        with fs.open(file, "rb") as f:
-            # Split on b"\n" only: text may hold U+2028 or U+0085, which str.splitlines breaks on.
-            records.extend(json.loads(line) for line in f.read().split(b"\n") if line)
+        raise FileNotFoundError(f"{artifact_uri} has no {split} split (no files match {pattern})")
+    return files
+
+
+def read_jsonl(uri: str) -> Iterator[dict]:
+    """The objects of a JSON-lines file (local or fsspec), one per non-blank line, streamed.
+
+    Lines end at b"\\n" only: text may hold U+2028 or U+0085, which str.splitlines breaks on.
+    """
+    fs, path = artifacts.filesystem(uri)
+    with fs.open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def read_split(artifact_uri: str, split: str) -> Iterator[dict]:
+    """The records of one split of a prepare-format artifact, in id order.
+
+    Raises:
+      FileNotFoundError: the artifact has no files for `split`.
+    """
+    records = [record for file in split_files(artifact_uri, split) for record in read_jsonl(file)]
     records.sort(key=lambda r: id_sort_key(r["id"]))
     yield from records

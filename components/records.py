@@ -13,6 +13,10 @@ Features of an Example:
     source_length   int64       len(source)
     target_length   int64       len(target)
 
+The length buckets are the one rule of padded widths: a stored pair's bucket (`bucket_of`:
+what training pads it to, in the encode stage's figures) and a decoded batch's shape
+(`decoder_shape`: model/inference.py pads to it, pipelines/batching.py groups by it).
+
 The element logic here is plain Python (the Beam job wraps it; tests call it directly).
 TensorFlow is imported on first use only: the writer needs its protos, not its runtime.
 """
@@ -58,17 +62,33 @@ def check_lengths(source_len: int, target_len: int, *, max_source_len: int,
     return None
 
 
-def bucket_of(source_len: int, target_len: int, boundaries: Sequence[int]) -> int:
-    """The smallest boundary that holds both sides (the padded length of its batch).
+# --- length buckets (`encode.bucket_boundaries`) ---------------------------------------
+
+
+def bucket(length: int, boundaries: Sequence[int]) -> int:
+    """The smallest boundary that holds `length` tokens: the padded width of its batch.
 
     Raises:
-      ValueError: the pair is longer than the largest boundary.
+      ValueError: `length` is longer than the largest boundary.
     """
-    longest = max(source_len, target_len)
     for boundary in boundaries:
-        if longest <= boundary:
+        if length <= boundary:
             return boundary
-    raise ValueError(f"a pair of {longest} tokens exceeds the largest bucket {boundaries[-1]}")
+    raise ValueError(f"a length of {length} tokens exceeds the largest bucket {boundaries[-1]}")
+
+
+def bucket_of(source_len: int, target_len: int, boundaries: Sequence[int]) -> int:
+    """The bucket of a stored pair (training pads it to this): that of its longer side."""
+    return bucket(max(source_len, target_len), boundaries)
+
+
+def decoder_shape(source_tokens: int, boundaries: Sequence[int]) -> tuple[int, int]:
+    """(S, T): the padded source width and the output cap of a decoded batch whose longest
+    source has `source_tokens` tokens (EOS included). The source is cut to the widest
+    bucket; S is the bucket that holds it, T the one that holds twice as many tokens (else
+    the widest), so that targets up to twice as long as their source are never cut."""
+    length = min(source_tokens, boundaries[-1])
+    return bucket(length, boundaries), bucket(min(2 * length, boundaries[-1]), boundaries)
 
 
 def serialize_example(pair_id: str, source: Sequence[int], target: Sequence[int]) -> bytes:

@@ -39,13 +39,6 @@ class ScoreError(ValueError):
     """The hypotheses do not match the references (a decode artifact from other data)."""
 
 
-def _read_jsonl(uri: str) -> list[dict]:
-    fs, path = artifacts.filesystem(uri)
-    with fs.open(path, "rb") as f:
-        # Split on b"\n" only: text may hold U+2028 or U+0085, which str.splitlines breaks on.
-        return [json.loads(line) for line in f.read().split(b"\n") if line]
-
-
 def _write_text(uri: str, text: str) -> None:
     fs, path = artifacts.filesystem(uri)
     with fs.open(path, "w") as f:
@@ -76,9 +69,9 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
         results[test_set], latency_records[test_set] = [], {}
         for about in facts["methods"]:
             method = about["name"]
-            lines = _read_jsonl(decoded.path("hypotheses", test_set, method + ".jsonl"))
+            lines = list(corpus.read_jsonl(decoded.path("hypotheses", test_set, f"{method}.jsonl")))
             targets = aligned_references(lines, references, f"{test_set}/{method}")
-            timed = _read_jsonl(decoded.path("latency", test_set, method + ".jsonl"))
+            timed = list(corpus.read_jsonl(decoded.path("latency", test_set, f"{method}.jsonl")))
             latency_records[test_set][method] = timed
             results[test_set].append(report.score_method(
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],

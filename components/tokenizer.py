@@ -9,7 +9,7 @@ With byte fallback the 256 byte pieces `<0x00>`..`<0xFF>` follow the reserved id
 tokens are drawn from that range.
 
 Example:
-    tokenizer = Tokenizer.load(vocab_artifact.path(MODEL_FILE))
+    tokenizer = Tokenizer.for_artifact(artifact)     # a vocab artifact, or one made with it
     ids = tokenizer.encode(["Ein Hund läuft."])[0]   # pieces only, no EOS
     text = tokenizer.decode(ids + [EOS_ID, PAD_ID])   # "Ein Hund läuft."
 """
@@ -21,6 +21,7 @@ from typing import Iterable, Sequence
 import fsspec
 import sentencepiece as spm
 
+from components import artifacts
 from components.config import VocabConfig
 
 PAD_ID = 0
@@ -168,6 +169,13 @@ class Tokenizer:
         """Loads `spm.model` from a local path or fsspec URL (e.g. `gs://.../spm.model`)."""
         with fsspec.open(uri, "rb") as f:
             return cls(f.read())
+
+    @classmethod
+    def for_artifact(cls, artifact: artifacts.Artifact) -> "Tokenizer":
+        """The vocabulary of a `vocab` artifact, or the one another artifact was made with
+        (the `vocab` among its manifest's inputs: a teacher's, a student's, an encoding's)."""
+        vocab = artifact.uri if artifact.stage == "vocab" else artifact.manifest["inputs"]["vocab"]
+        return cls.load(artifacts.join(vocab, MODEL_FILE))
 
     def __reduce__(self):
         return (Tokenizer, (self._model_bytes,))

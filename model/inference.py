@@ -14,9 +14,10 @@ the student, of its last phase). `load_cached` restores each artifact once per p
 
 Static shapes. A batch of sentences is tokenised (pieces + EOS; a source longer than the
 widest bucket is cut to it, EOS kept, and flagged `truncated`) and padded to the smallest
-bucket boundary S that holds its longest source. Its output cap is `output_width`: the
-smallest boundary that holds twice that source, so that targets up to twice as long as the
-source are never cut (Multi30k en-de targets average 1.04x their source). The AR kinds
+bucket boundary S that holds its longest source. Its output cap is the smallest boundary
+that holds twice that source, so that targets up to twice as long as the source are never
+cut (Multi30k en-de targets average 1.04x their source): S and the cap are
+`components.records.decoder_shape`, which the batching of the Beam jobs groups by too. The AR kinds
 decode into the cap (the width only sizes their KV cache; the loop stops when every row
 has emitted EOS). The PaDIR kinds run two calls: the encoder and the length head, which
 pick candidate lengths up to the cap, then the decoder at the width T those lengths need
@@ -57,10 +58,10 @@ import jax
 import numpy as np
 import yaml
 
-from components import artifacts
+from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
-from components.tokenizer import EOS_ID, MODEL_FILE, PAD_ID, Tokenizer
+from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from model import checkpoints, decoding, train
 from model.models import ARModel, PaDIRModel
 
@@ -128,7 +129,7 @@ def load(uri: str) -> LoadedModel:
     section = artifact.manifest["config"][artifact.stage]
     model_config = config_lib.from_dict(config_lib.ModelConfig, section["model"],
                                         f"{artifact.stage}.model")
-    tokenizer = Tokenizer.load(artifacts.join(artifact.manifest["inputs"]["vocab"], MODEL_FILE))
+    tokenizer = Tokenizer.for_artifact(artifact)
     if artifact.stage == "teacher":
         model = ARModel(model_config, tokenizer.vocab_size)
     else:
@@ -151,23 +152,6 @@ def load_cached(uri: str) -> LoadedModel:
         if key not in _CACHE:
             _CACHE[key] = load(uri)
         return _CACHE[key]
-
-
-# --- shapes ---------------------------------------------------------------------------
-
-
-def bucket(length: int, boundaries: Sequence[int]) -> int:
-    """The smallest boundary >= `length` (lengths beyond the widest are cut before)."""
-    for boundary in boundaries:
-        if length <= boundary:
-            return boundary
-    raise ValueError(f"length {length} exceeds the widest bucket {boundaries[-1]}")
-
-
-def output_width(source_length: int, boundaries: Sequence[int]) -> int:
-    """The output cap of a batch whose longest source has `source_length` tokens (EOS
-    included): the smallest boundary that holds twice as many, else the widest."""
-    return bucket(min(2 * source_length, boundaries[-1]), boundaries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +301,7 @@ class Translator:
         pieces = self.loaded.tokenizer.encode(list(sources))
         rows = [ids[:widest - 1] + [EOS_ID] for ids in pieces]
         longest = max(len(row) for row in rows)
-        source_width = bucket(longest, self.boundaries)
-        max_len = output_width(longest, self.boundaries)
+        source_width, max_len = records.decoder_shape(longest, self.boundaries)
         source = np.full((self.batch_size, source_width), PAD_ID, np.int32)
         for i in range(self.batch_size):
             row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence

@@ -4,9 +4,10 @@
     results = batches | RunInference(KeyedModelHandler(handler).with_no_batching())
 
 Each pair (a dict with "id" and "source") is keyed by the decoder shape its batch will have
-(`decoder_shape`: the padded source width S and output width T of model/inference.py,
-from its token count with the model's tokenizer and length buckets) and by one of
-`num_groups` groups (a stable hash of its id, so that no single key holds a whole shape).
+(`components.records.decoder_shape`: the padded source width S and output cap T that
+model/inference.py pads to, from its token count with the model's tokenizer and length
+buckets) and by one of `num_groups` groups (a stable hash of its id, so that no single key
+holds a whole shape).
 Each group is ordered by source length, then id, and cut into batches of `batch_size`
 (the last one of a group may be smaller), which RunInference decodes as they are. So a
 batch holds sources of similar lengths and one static shape (the decoder compiles once per
@@ -23,24 +24,8 @@ from typing import Iterator, Sequence
 
 import apache_beam as beam
 
-from components import artifacts, corpus, records
+from components import corpus, records
 from components import tokenizer as tokenizer_lib
-
-
-def decoder_shape(source_tokens: int, boundaries: Sequence[int]) -> tuple[int, int]:
-    """(S, T): the padded source width and output width of a batch whose longest source
-    has `source_tokens` tokens (EOS included), as model/inference.py's Translator pads it:
-    the source cut to the widest bucket, S the bucket that holds it, T the bucket that
-    holds twice as many tokens (else the widest). Plain Python: jobs are built without JAX."""
-    length = min(source_tokens, boundaries[-1])
-    return (records.bucket_of(length, length, boundaries),
-            records.bucket_of(min(2 * length, boundaries[-1]), 0, boundaries))
-
-
-def model_tokenizer(checkpoint: artifacts.Artifact) -> tokenizer_lib.Tokenizer:
-    """The vocabulary a `teacher` or `train` artifact was trained with (an input of it)."""
-    return tokenizer_lib.Tokenizer.load(
-        artifacts.join(checkpoint.manifest["inputs"]["vocab"], tokenizer_lib.MODEL_FILE))
 
 
 class KeyByDecoderShape(beam.DoFn):
@@ -56,7 +41,7 @@ class KeyByDecoderShape(beam.DoFn):
     def process(self, pair: dict) -> Iterator[tuple[tuple[int, int, int], tuple[int, dict]]]:
         length = len(self._tokenizer.encode([pair["source"]])[0]) + 1
         group = zlib.crc32(pair["id"].encode("utf-8")) % self._num_groups  # stable: not hash()
-        yield (*decoder_shape(length, self._boundaries), group), (length, pair)
+        yield (*records.decoder_shape(length, self._boundaries), group), (length, pair)
 
 
 def length_batches(group: tuple[tuple, Sequence[tuple[int, dict]]],

@@ -45,19 +45,19 @@ VM, so that timed decodes do not share the CPU):
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.metrics.metric import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, RunInference
 
 from components import artifacts, corpus, dag, report
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
-from pipelines import batching
+from pipelines import batching, job
 from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
@@ -92,11 +92,6 @@ def to_record(pair: dict, result: PredictionResult) -> dict:
         "hypothesis_tokens": len(inference["tokens"]),
         "truncated": inference["truncated"],
     }
-
-
-def _counted(element, counter_name: str):
-    Metrics.counter(NAMESPACE, counter_name).inc()
-    return element
 
 
 def _sorted_lines(records: list[dict]) -> Iterator[str]:
@@ -137,7 +132,7 @@ class ReadTestSet(beam.PTransform):
                 | "Read" >> beam.io.ReadFromText(self._pattern)
                 | "ParseJson" >> beam.Map(json.loads)
                 | "FirstById" >> FirstById(self._max_sentences, key=lambda pair: pair["id"])
-                | "Count" >> beam.Map(_counted, f"read.{self._split}"))
+                | "Count" >> beam.Map(job.counted, NAMESPACE, f"read.{self._split}"))
 
 
 class DecodeAndWrite(beam.PTransform):
@@ -164,7 +159,7 @@ class DecodeAndWrite(beam.PTransform):
             | "RunInference" >> RunInference(
                 handler.with_no_batching() if self._batched else handler)
             | "ToRecord" >> beam.MapTuple(to_record)
-            | "Count" >> beam.Map(_counted, self._counter_name)
+            | "Count" >> beam.Map(job.counted, NAMESPACE, self._counter_name)
         )
         if self._truncated_counter is not None:
             records = records | "CountTruncated" >> beam.Map(_count_truncated,
@@ -228,20 +223,15 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
 # --- the stage ------------------------------------------------------------------------------
 
 
-def collect_counts(result, config: config_lib.Config) -> dict[str, int]:
-    """The job's counters, with a zero for every test set, method and pass that saw none."""
-    counts = {}
+def counter_names(config: config_lib.Config) -> list[str]:
+    """The counts every manifest has, 0 if none: per test set, `read` and `truncated`, and
+    `decoded` per method and pass."""
+    names = []
     for split in decoded_splits(config.data):
-        counts.update({f"read.{split}": 0, f"truncated.{split}": 0})
-        for method in config.decode.methods:
-            counts.update({f"decoded.{split}.{method.name}.{name}": 0
-                           for name in ("batched", "latency")})
-    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
-    for counter in found["counters"]:
-        value = counter.committed if counter.committed is not None else counter.attempted
-        name = counter.key.metric.name
-        counts[name] = counts.get(name, 0) + value
-    return dict(sorted(counts.items()))
+        names += [f"read.{split}", f"truncated.{split}"]
+        names += [f"decoded.{split}.{method.name}.{name}"
+                  for method in config.decode.methods for name in ("batched", "latency")]
+    return names
 
 
 def latency_sentences(read: int, config: config_lib.Config) -> int:
@@ -250,67 +240,53 @@ def latency_sentences(read: int, config: config_lib.Config) -> int:
     return read if limit is None else min(read, limit)
 
 
-def _check_accounting(counts: Mapping[str, int], config: config_lib.Config) -> None:
+def finish(config: config_lib.Config, out: artifacts.PendingArtifact,
+           finished: job.Finished) -> None:
     """Every sentence read is decoded by every method in the batched pass, and the latency
-    sample in the latency pass: none is dropped."""
+    sample in the latency pass; the manifest gets the counts and the throughput."""
+    counts = finished.counts
+    balances = {}
     for split in decoded_splits(config.data):
         read = counts[f"read.{split}"]
+        if not read:
+            raise RuntimeError(f"decode: no sentence of {split} was read")
         expected = {"batched": read, "latency": latency_sentences(read, config)}
-        wrong = {name: value for name, value in counts.items()
-                 if name.startswith(f"decoded.{split}.")
-                 and value != expected[name.rsplit(".", 1)[1]]}
-        if wrong or not read:
-            raise RuntimeError(f"decode: {read} sentences of {split} read, but decoded {wrong}"
-                               f" (expected {expected})")
-
-
-def _read_records(uri: str) -> list[dict]:
-    fs, path = artifacts.filesystem(uri)
-    with fs.open(path, "rb") as f:
-        return [json.loads(line) for line in f.read().split(b"\n") if line]
+        balances.update({name: (expected[name.rsplit(".", 1)[1]], value)
+                         for name, value in counts.items()
+                         if name.startswith(f"decoded.{split}.")})
+    job.check_accounting("decode", balances)
+    out.counts.update(counts)
+    out.metrics.update(
+        test_sets=list(decoded_splits(config.data)),
+        methods=[{"name": method.name, "kind": method.kind, "stage": method.stage}
+                 for method in config.decode.methods],  # a list: config order
+        latency_sentences={split: latency_sentences(counts[f"read.{split}"], config)
+                           for split in decoded_splits(config.data)},
+        throughput={
+            split: {method.name: report.throughput(
+                list(corpus.read_jsonl(output_path(out.tmp_uri, HYPOTHESES, split, method.name))),
+                config.decode.throughput_batch_size)
+                for method in config.decode.methods}
+            for split in decoded_splits(config.data)})
 
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Decodes every test set with every method; publishes the decode artifact."""
-    logging.info("decode: %s", config_lib.summary(config, dag.STAGES["decode"].sections))
-    logging.debug("decode: resolved config\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     for split in decoded_splits(config.data):  # structural errors before any work starts
-        fs, pattern = artifacts.filesystem(corpus.split_pattern(prepared.uri, split))
-        if not fs.glob(pattern):
-            raise FileNotFoundError(f"prepare artifact {prepared.uri} has no {split} split")
+        corpus.split_files(prepared.uri, split)
     needed = sorted({method.stage for method in config.decode.methods})
-    checkpoints = {stage: dag.require_input(config, stage).uri for stage in needed}
-    with artifacts.write(
-        config.workdir, "decode", dag.stage_key(config, "decode"),
-        config=dag.section_values(config, "decode"),
-        config_yaml=config_lib.dump(config),
-        inputs={"prepare": prepared.uri, **checkpoints},
-    ) as out:
-        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
-        build(pipeline, config, prepared_uri=prepared.uri, checkpoints=checkpoints,
-              tokenizer=batching.model_tokenizer(artifacts.read(checkpoints[needed[0]])),
-              output_uri=out.tmp_uri)
-        result = pipeline.run()
-        result.wait_until_finish()
-        counts = collect_counts(result, config)
-        _check_accounting(counts, config)
-        out.counts.update(counts)
-        out.metrics.update(
-            test_sets=list(decoded_splits(config.data)),
-            methods=[{"name": method.name, "kind": method.kind, "stage": method.stage}
-                     for method in config.decode.methods],  # a list: config order
-            latency_sentences={split: latency_sentences(counts[f"read.{split}"], config)
-                               for split in decoded_splits(config.data)},
-            throughput={
-                split: {method.name: report.throughput(
-                    _read_records(output_path(out.tmp_uri, HYPOTHESES, split, method.name)),
-                    config.decode.throughput_batch_size)
-                    for method in config.decode.methods}
-                for split in decoded_splits(config.data)})
-    artifact = artifacts.read(dag.output_uri(config, "decode"))
-    logging.info("decode: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
-    return artifact
+    checkpoints = {stage: dag.require_input(config, stage) for stage in needed}
+    # The models' vocabulary (teacher and student share the vocab artifact).
+    tokenizer = tokenizer_lib.Tokenizer.for_artifact(checkpoints[needed[0]])
+    return job.run(
+        config, "decode", beam_args, inputs={"prepare": prepared, **checkpoints},
+        build=lambda pipeline, output_uri: build(
+            pipeline, config, prepared_uri=prepared.uri,
+            checkpoints={stage: artifact.uri for stage, artifact in checkpoints.items()},
+            tokenizer=tokenizer, output_uri=output_uri),
+        namespace=NAMESPACE, counter_names=counter_names(config),
+        finish=functools.partial(finish, config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -47,23 +47,23 @@ that JAX has the VM's cores):
 from __future__ import annotations
 
 import json
-import logging
 import sys
-import time
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.metrics.metric import Metrics
 from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, RunInference
 
 from components import artifacts, corpus, dag, distillation
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
-from pipelines import batching
+from pipelines import batching, job
 from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
 NAMESPACE = "distill"  # of the Beam counters that become the manifest's counts
+# The counts every manifest has, 0 if none.
+COUNTER_NAMES = ("read", "kept", "dev", *(f"rejected.{reason}" for reason in distillation.REASONS))
 STATS_FILE = "stats.json"
 _SHARDS = "-SSSSS-of-NNNNN"
 
@@ -76,11 +76,6 @@ def method(settings: config_lib.DistillConfig) -> config_lib.DecodeMethod:
 
 
 # --- element logic and transforms --------------------------------------------------------
-
-
-def _counted(element, counter_name: str):
-    Metrics.counter(NAMESPACE, counter_name).inc()
-    return element
 
 
 def judge(keyed: tuple[dict, PredictionResult],
@@ -144,7 +139,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
         pipeline
         | "ReadTrain" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.TRAIN))
         | "ParseJson" >> beam.Map(json.loads)
-        | "CountRead" >> beam.Map(_counted, "read")
+        | "CountRead" >> beam.Map(job.counted, NAMESPACE, "read")
         | "BatchByLength" >> batching.BatchByLength(tokenizer, boundaries,
                                            batch_size=settings.batch_size,
                                            num_groups=num_shards)
@@ -176,7 +171,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
     _ = (
         pipeline
         | "ReadDev" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.DEV))
-        | "CountDev" >> beam.Map(_counted, "dev")
+        | "CountDev" >> beam.Map(job.counted, NAMESPACE, "dev")
         | "WriteDev" >> beam.io.WriteToText(
             artifacts.join(output_uri, corpus.DEV), file_name_suffix=".jsonl",
             num_shards=1, shard_name_template=_SHARDS)
@@ -186,73 +181,47 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
 # --- the stage ------------------------------------------------------------------------------
 
 
-def collect_counts(result) -> dict[str, int]:
-    """`read`, `kept`, `rejected.<reason>` (zero where none) and `dev`, from the counters."""
-    counts = {"read": 0, "kept": 0, "dev": 0}
-    counts.update({f"rejected.{reason}": 0 for reason in distillation.REASONS})
-    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
-    for counter in found["counters"]:
-        value = counter.committed if counter.committed is not None else counter.attempted
-        name = counter.key.metric.name
-        counts[name] = counts.get(name, 0) + value
-    return dict(sorted(counts.items()))
-
-
-def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, int]) -> None:
-    """Every source read is kept or rejected, and every one was translated."""
+def finish(out: artifacts.PendingArtifact, finished: job.Finished) -> None:
+    """Every source read is kept or rejected, and every one was translated; the manifest
+    gets the counts and the translations' figures."""
+    counts, seconds = finished.counts, finished.seconds
+    stats = artifacts.read_json(artifacts.join(out.tmp_uri, STATS_FILE))
     rejected = sum(counts[f"rejected.{reason}"] for reason in distillation.REASONS)
-    if (counts["read"] != counts["kept"] + rejected or stats["translated"] != counts["read"]
-            or stats["kept"] != counts["kept"]):
-        raise RuntimeError(f"distill: counts do not add up: {dict(counts)}, "
-                           f"translated {stats['translated']}, kept {stats['kept']}")
+    job.check_accounting("distill", {
+        "kept + rejected": (counts["read"], counts["kept"] + rejected),
+        "translated": (counts["read"], stats["translated"]),
+        "kept in the stats": (counts["kept"], stats["kept"])})
+    if counts["read"] and not counts["kept"]:  # a student cannot train on nothing
+        raise RuntimeError(f"distill: the teacher's translations were all rejected "
+                           f"({counts}); is the teacher trained?")
+    out.counts.update(counts)
+    out.metrics.update(
+        length_ratio=stats["length_ratio"], type_token_ratio=stats["type_token_ratio"],
+        types=stats["types"],
+        kept_fraction=round(counts["kept"] / counts["read"], 4) if counts["read"] else None,
+        throughput={
+            "sentences": counts["read"], "seconds": round(seconds, 3),
+            "sentences_per_s": round(counts["read"] / seconds, 2),
+            "decode_seconds": stats["decode_seconds"],
+            "decode_sentences_per_s": (round(counts["read"] / stats["decode_seconds"], 2)
+                                       if stats["decode_seconds"] else None)})
 
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Translates the prepared train split with the teacher; publishes the distill artifact."""
-    logging.info("distill: %s", config_lib.summary(config, dag.STAGES["distill"].sections))
-    logging.debug("distill: resolved config\n%s", config_lib.dump(config))
     prepared = dag.require_input(config, "prepare")
     teacher = dag.require_input(config, "teacher")
-    shards = {split: artifacts.glob(corpus.split_pattern(prepared.uri, split))
-              for split in (corpus.TRAIN, corpus.DEV)}
-    for split, files in shards.items():  # structural errors before any work starts
-        if not files:
-            raise FileNotFoundError(f"prepare artifact {prepared.uri} has no {split} split")
-    with artifacts.write(
-        config.workdir, "distill", dag.stage_key(config, "distill"),
-        config=dag.section_values(config, "distill"),
-        config_yaml=config_lib.dump(config),
-        inputs={"prepare": prepared.uri, "teacher": teacher.uri},
-    ) as out:
-        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
-        build(pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
-              tokenizer=batching.model_tokenizer(teacher),
-              num_shards=len(shards[corpus.TRAIN]), output_uri=out.tmp_uri,
-              expected_sentences=prepared.manifest["counts"].get(f"kept.{corpus.TRAIN}"))
-        started = time.perf_counter()
-        result = pipeline.run()
-        result.wait_until_finish()
-        seconds = time.perf_counter() - started
-        counts = collect_counts(result)
-        stats = artifacts.read_json(artifacts.join(out.tmp_uri, STATS_FILE))
-        _check_accounting(counts, stats)
-        if counts["read"] and not counts["kept"]:  # a student cannot train on nothing
-            raise RuntimeError(f"distill: the teacher's translations were all rejected "
-                               f"({counts}); is the teacher trained?")
-        out.counts.update(counts)
-        out.metrics.update(
-            length_ratio=stats["length_ratio"], type_token_ratio=stats["type_token_ratio"],
-            types=stats["types"],
-            kept_fraction=round(counts["kept"] / counts["read"], 4) if counts["read"] else None,
-            throughput={
-                "sentences": counts["read"], "seconds": round(seconds, 3),
-                "sentences_per_s": round(counts["read"] / seconds, 2),
-                "decode_seconds": stats["decode_seconds"],
-                "decode_sentences_per_s": (round(counts["read"] / stats["decode_seconds"], 2)
-                                           if stats["decode_seconds"] else None)})
-    artifact = artifacts.read(dag.output_uri(config, "distill"))
-    logging.info("distill: wrote %s counts=%s", artifact.uri, artifact.manifest["counts"])
-    return artifact
+    # Structural errors before any work starts.
+    train_shards = corpus.split_files(prepared.uri, corpus.TRAIN)
+    corpus.split_files(prepared.uri, corpus.DEV)
+    tokenizer = tokenizer_lib.Tokenizer.for_artifact(teacher)
+    return job.run(
+        config, "distill", beam_args, inputs={"prepare": prepared, "teacher": teacher},
+        build=lambda pipeline, output_uri: build(
+            pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
+            tokenizer=tokenizer, num_shards=len(train_shards), output_uri=output_uri,
+            expected_sentences=prepared.manifest["counts"].get(f"kept.{corpus.TRAIN}")),
+        namespace=NAMESPACE, counter_names=COUNTER_NAMES, finish=finish)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

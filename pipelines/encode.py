@@ -46,16 +46,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import logging
 import sys
 from typing import Iterator, Mapping, Sequence
 
 import apache_beam as beam
-from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.metrics.metric import Metrics
 
 from components import artifacts, corpus, dag, records
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
+from pipelines import job
 from pipelines import options as options_lib
 
 NAMESPACE = "encode"  # of the Beam counters that become the manifest's counts
@@ -200,31 +200,31 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, inputs: Mapping
 # --- the stage ------------------------------------------------------------------------------
 
 
-def collect_counts(result, splits: Sequence[str]) -> dict[str, int]:
-    """`read.<split>`, `encoded.<split>`, `rejected.<split>` (all reasons) and
-    `rejected.<split>.<reason>` from the job's counters (zero where nothing was counted)."""
-    counts = {}
-    for split in splits:
-        counts.update({f"read.{split}": 0, f"encoded.{split}": 0, f"rejected.{split}": 0})
-        counts.update({f"rejected.{split}.{reason}": 0 for reason in records.REASONS})
-    found = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
-    for counter in found["counters"]:
-        name = counter.key.metric.name
-        value = counter.committed if counter.committed is not None else counter.attempted
-        counts[name] = counts.get(name, 0) + value
-    for split in splits:
+# The counts every manifest has, 0 if none: per split, `read`, `encoded`, `rejected` (all
+# reasons, summed by `finish`) and `rejected.<split>.<reason>`.
+COUNTER_NAMES = tuple(name for split in records.SPLITS for name in (
+    f"read.{split}", f"encoded.{split}", f"rejected.{split}",
+    *(f"rejected.{split}.{reason}" for reason in records.REASONS)))
+
+
+def finish(out: artifacts.PendingArtifact, finished: job.Finished) -> None:
+    """Every pair read is encoded or rejected, and the stats count every encoded one; the
+    manifest gets the counts and the stats."""
+    counts = dict(finished.counts)
+    for split in records.SPLITS:
         counts[f"rejected.{split}"] = sum(
             counts[f"rejected.{split}.{reason}"] for reason in records.REASONS)
-    return dict(sorted(counts.items()))
-
-
-def _check_accounting(counts: Mapping[str, int], stats: Mapping[str, dict]) -> None:
-    for split, figures in stats.items():
-        read, encoded = counts[f"read.{split}"], counts[f"encoded.{split}"]
-        counted = figures["source_length"]["count"]
-        if read != encoded + counts[f"rejected.{split}"] or counted != encoded:
-            raise RuntimeError(f"encode: counts do not add up for {split}: {dict(counts)}, "
-                               f"stats count {counted}")
+    stats = {split: artifacts.read_json(records.stats_path(out.tmp_uri, split))
+             for split in records.SPLITS}
+    balances = {}
+    for split in records.SPLITS:
+        encoded = counts[f"encoded.{split}"]
+        balances[f"{split}: encoded + rejected"] = (
+            counts[f"read.{split}"], encoded + counts[f"rejected.{split}"])
+        balances[f"{split}: pairs in the stats"] = (encoded, stats[split]["source_length"]["count"])
+    job.check_accounting("encode", balances)
+    out.counts.update(counts)
+    out.metrics.update(stats)
 
 
 # Encode stage -> the stage whose prepared-format pairs it encodes.
@@ -244,36 +244,17 @@ def run_distilled(config: config_lib.Config,
 
 
 def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> artifacts.Artifact:
-    logging.info("%s: %s", stage, config_lib.summary(config, dag.STAGES[stage].sections))
-    logging.debug("%s: resolved config\n%s", stage, config_lib.dump(config))
     pairs = dag.require_input(config, PAIRS[stage])
     vocab = dag.require_input(config, "vocab")
-    inputs = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}
-    for split, pattern in inputs.items():  # structural errors before any work starts
-        if not artifacts.glob(pattern):
-            raise FileNotFoundError(
-                f"{pairs.stage} artifact {pairs.uri} has no {split} split ({pattern})")
-    tokenizer = tokenizer_lib.Tokenizer.load(vocab.path(tokenizer_lib.MODEL_FILE))
-
-    with artifacts.write(
-        config.workdir, stage, dag.stage_key(config, stage),
-        config=dag.section_values(config, stage),
-        config_yaml=config_lib.dump(config),
-        inputs={pairs.stage: pairs.uri, "vocab": vocab.uri},
-    ) as out:
-        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
-        build(pipeline, config, inputs=inputs, tokenizer=tokenizer, output_uri=out.tmp_uri)
-        result = pipeline.run()
-        result.wait_until_finish()
-        counts = collect_counts(result, list(inputs))
-        stats = {split: artifacts.read_json(records.stats_path(out.tmp_uri, split))
-                 for split in inputs}
-        _check_accounting(counts, stats)
-        out.counts.update(counts)
-        out.metrics.update(stats)
-    artifact = artifacts.read(dag.output_uri(config, stage))
-    logging.info("%s: wrote %s counts=%s", stage, artifact.uri, artifact.manifest["counts"])
-    return artifact
+    for split in records.SPLITS:  # structural errors before any work starts
+        corpus.split_files(pairs.uri, split)
+    patterns = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}
+    tokenizer = tokenizer_lib.Tokenizer.for_artifact(vocab)
+    return job.run(
+        config, stage, beam_args, inputs={pairs.stage: pairs, "vocab": vocab},
+        build=lambda pipeline, output_uri: build(
+            pipeline, config, inputs=patterns, tokenizer=tokenizer, output_uri=output_uri),
+        namespace=NAMESPACE, counter_names=COUNTER_NAMES, finish=finish)
 
 
 def _run_selected(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:

@@ -32,16 +32,17 @@ GCS, workers from a container built from the same lock):
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Iterator, Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.metrics.metric import Metrics
 
 from components import artifacts, corpus, dag
 from components import config as config_lib
-from pipelines import options
+from pipelines import job, options
 
 NAMESPACE = "prepare"  # of the Beam counters that become the manifest's counts
 
@@ -98,11 +99,6 @@ class DropDuplicates(beam.PTransform):
         )
 
 
-def _counted(record, counter_name: str):
-    Metrics.counter(NAMESPACE, counter_name).inc()
-    return record
-
-
 class WriteJsonl(beam.PTransform):
     """Records with `to_json()` -> `<prefix>-SSSSS-of-NNNNN.jsonl`, optionally counted."""
 
@@ -114,7 +110,7 @@ class WriteJsonl(beam.PTransform):
 
     def expand(self, records):
         if self._counter_name is not None:
-            records = records | "Count" >> beam.Map(_counted, self._counter_name)
+            records = records | "Count" >> beam.Map(job.counted, NAMESPACE, self._counter_name)
         return (
             records
             | "ToJson" >> beam.Map(lambda record: record.to_json())
@@ -170,29 +166,12 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, output_uri: str) -
     )
 
 
-def collect_counts(result: beam.runners.runner.PipelineResult,
-                   config: config_lib.Config) -> dict[str, int]:
-    """The job's counters by name, with a zero for every split and reason that saw none."""
-    counts = {f"read.{spec.split}": 0
-              for spec in corpus.corpus_specs(config.data, config.prepare)}
-    counts.update({f"kept.{split}": 0 for split in corpus.output_splits(config.data)})
-    counts.update({f"rejected.{reason}": 0 for reason in corpus.REASONS})
-    query = result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
-    for counter in query["counters"]:
-        # Committed values are exact under retries; runners without them report attempted.
-        value = counter.committed if counter.committed is not None else counter.attempted
-        name = counter.key.metric.name
-        counts[name] = counts.get(name, 0) + value
-    return dict(sorted(counts.items()))
-
-
-def _check_accounting(counts: dict[str, int]) -> None:
-    """Every pair read is either kept or rejected: nothing is silently dropped."""
-    total = {prefix: sum(v for k, v in counts.items() if k.startswith(prefix))
-             for prefix in ("read.", "kept.", "rejected.")}
-    if total["read."] != total["kept."] + total["rejected."]:
-        raise RuntimeError(f"prepare lost pairs: read {total['read.']} != kept "
-                           f"{total['kept.']} + rejected {total['rejected.']}: {counts}")
+def counter_names(config: config_lib.Config) -> list[str]:
+    """The counts every manifest has, 0 if none: read per corpus, kept per split, rejected
+    per reason."""
+    return [*(f"read.{spec.split}" for spec in corpus.corpus_specs(config.data, config.prepare)),
+            *(f"kept.{split}" for split in corpus.output_splits(config.data)),
+            *(f"rejected.{reason}" for reason in corpus.REASONS)]
 
 
 def check_rejects(counts: dict[str, int], config: config_lib.Config) -> None:
@@ -244,6 +223,25 @@ def _keep_rejects(tmp_uri: str, config: config_lib.Config) -> str:
     return target
 
 
+def finish(config: config_lib.Config, out: artifacts.PendingArtifact,
+           finished: job.Finished) -> None:
+    """Every pair read is kept or rejected, and not too many are rejected (`check_rejects`);
+    the manifest gets the counts and the split sizes."""
+    counts = finished.counts
+    total = {prefix: sum(v for k, v in counts.items() if k.startswith(prefix))
+             for prefix in ("read.", "kept.", "rejected.")}
+    job.check_accounting("prepare", {
+        "kept + rejected pairs": (total["read."], total["kept."] + total["rejected."])})
+    try:
+        check_rejects(counts, config)
+    except corpus.CorpusError as e:
+        kept = _keep_rejects(out.tmp_uri, config)
+        raise corpus.CorpusError(f"{e}; nothing published, the rejects are in {kept}") from e
+    out.counts.update(counts)
+    out.metrics["split_sizes"] = {
+        split: counts[f"kept.{split}"] for split in corpus.output_splits(config.data)}
+
+
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Checks the inputs, runs the job and publishes its artifact (see module docstring).
 
@@ -251,31 +249,12 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
       corpus.CorpusError: a structural problem (nothing is written), or too many rejects
         (nothing is published; the rejects are kept, see `failed_rejects_uri`).
     """
-    logging.info("prepare: %s", config_lib.summary(config, dag.STAGES["prepare"].sections))
-    logging.debug("prepare: resolved config\n%s", config_lib.dump(config))
     for spec in corpus.corpus_specs(config.data, config.prepare):  # before anything is written
         logging.info("prepare: %s has %d lines", spec.split, corpus.check_corpus(spec))
-    key = dag.stage_key(config, "prepare")
-    with artifacts.write(config.workdir, "prepare", key,
-                         config=dag.section_values(config, "prepare"),
-                         config_yaml=config_lib.dump(config), inputs={}) as pending:
-        pipeline = beam.Pipeline(options=options.pipeline_options(config, beam_args))
-        build(pipeline, config, pending.tmp_uri)
-        result = pipeline.run()
-        result.wait_until_finish()
-        counts = collect_counts(result, config)
-        _check_accounting(counts)
-        try:
-            check_rejects(counts, config)
-        except corpus.CorpusError as e:
-            kept = _keep_rejects(pending.tmp_uri, config)
-            raise corpus.CorpusError(f"{e}; nothing published, the rejects are in {kept}") from e
-        pending.counts.update(counts)
-        pending.metrics["split_sizes"] = {
-            split: counts[f"kept.{split}"] for split in corpus.output_splits(config.data)}
-    artifact = artifacts.read(dag.output_uri(config, "prepare"))
-    logging.info("prepare: wrote %s %s", artifact.uri, artifact.manifest["counts"])
-    return artifact
+    return job.run(config, "prepare", beam_args, inputs={},
+                   build=lambda pipeline, output_uri: build(pipeline, config, output_uri),
+                   namespace=NAMESPACE, counter_names=counter_names(config),
+                   finish=functools.partial(finish, config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

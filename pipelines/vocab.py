@@ -32,6 +32,7 @@ or on Dataflow (the workdir must then be a gs:// path):
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import math
@@ -42,16 +43,16 @@ import tempfile
 from typing import Iterable, Iterator, Sequence
 
 import apache_beam as beam
-import fsspec
-from apache_beam.metrics.metric import Metrics, MetricsFilter
+from apache_beam.metrics.metric import Metrics
 
-from components import artifacts, dag
+from components import artifacts, corpus, dag
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
+from pipelines import job
 from pipelines import options as options_lib
 
 WORD_COUNTS_FILE = "word_counts.tsv"
-_NAMESPACE = "vocab"
+NAMESPACE = "vocab"
 _ENCODE_BATCH = 1024
 
 
@@ -63,7 +64,7 @@ class ExtractWordsFn(beam.DoFn):
 
     def __init__(self):
         super().__init__()
-        self.words = Metrics.counter(_NAMESPACE, "words")
+        self.words = Metrics.counter(NAMESPACE, "words")
 
     def process(self, pair: dict) -> Iterator[str]:
         for side in ("source", "target"):
@@ -87,7 +88,7 @@ class CountWords(beam.PTransform):
     """Words -> (word, count); a CombinePerKey, so counts are combined before the shuffle."""
 
     def expand(self, words):
-        distinct = Metrics.counter(_NAMESPACE, "distinct_words")
+        distinct = Metrics.counter(NAMESPACE, "distinct_words")
 
         def count_distinct(word_count):
             distinct.inc()
@@ -146,21 +147,11 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, input_pattern: str
 # --- statistics of the trained model -------------------------------------------------------
 
 
-def read_split(artifact: artifacts.Artifact, split: str) -> Iterator[dict]:
-    """The pairs of one prepared split, shard by shard (plain Python; for statistics)."""
-    for url in _glob(artifact.path(f"{split}-*.jsonl")):
-        with fsspec.open(url, "rt", encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)
-
-
-def _glob(pattern: str) -> list[str]:
-    """The files matching a local or fsspec glob, sorted, as openable URLs."""
-    fs, path = artifacts.filesystem(pattern)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
-    return [prefix + p for p in sorted(fs.glob(path))]
+def stream_split(artifact: artifacts.Artifact, split: str) -> Iterator[dict]:
+    """The pairs of one prepared split, shard by shard, in no particular order: unlike
+    `corpus.read_split`, the split need not fit in memory (statistics need no order)."""
+    for file in corpus.split_files(artifact.uri, split):
+        yield from corpus.read_jsonl(file)
 
 
 def _batches(items: Iterable, size: int) -> Iterator[list]:
@@ -246,14 +237,6 @@ def _ratio(numerator: int, denominator: int) -> float | None:
 # --- the stage ------------------------------------------------------------------------------
 
 
-def _counter(result, name: str) -> int:
-    found = result.metrics().query(MetricsFilter().with_namespace(_NAMESPACE).with_name(name))
-    total = 0
-    for counter in found["counters"]:
-        total += counter.committed if counter.committed is not None else counter.attempted
-    return total
-
-
 def _put(local_path: str, uri: str) -> None:
     fs, path = artifacts.filesystem(uri)
     fs.put_file(local_path, path)
@@ -264,69 +247,68 @@ def _fetch(uri: str, local_path: str) -> None:
     fs.get_file(path, local_path)
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
-    """Recomputes the vocab artifact from the complete prepare artifact; returns it."""
-    logging.info("vocab: %s", config_lib.summary(config, dag.STAGES["vocab"].sections))
-    logging.debug("vocab: resolved config\n%s", config_lib.dump(config))
-    prepared = dag.require_input(config, "prepare")
-    train_pattern = prepared.path("train-*.jsonl")
-    if not _glob(train_pattern):
-        raise FileNotFoundError(
-            f"prepare artifact {prepared.uri} has no train split ({train_pattern})")
+def finish(config: config_lib.Config, prepared: artifacts.Artifact,
+           out: artifacts.PendingArtifact, finished: job.Finished) -> None:
+    """Trains SentencePiece on the word counts; the manifest gets the counts and the
+    model's figures on the prepared train and dev splits."""
+    counts = finished.counts
+    if counts["distinct_words"] == 0:
+        raise ValueError(f"the train split of {prepared.uri} has no words")
+    model_bytes = _train_sentencepiece(config, out)
+    tokenizer = tokenizer_lib.Tokenizer(model_bytes)
     langs = (config.data.source_lang, config.data.target_lang)
     if langs[0] == langs[1]:  # the metrics are keyed by language
         langs = (f"{langs[0]}-source", f"{langs[1]}-target")
+    train_pairs, pieces = piece_length_stats(tokenizer, stream_split(prepared, corpus.TRAIN), langs)
+    dev_pairs, dev = coverage_stats(tokenizer, stream_split(prepared, corpus.DEV), langs)
+    out.counts.update(
+        train_pairs=train_pairs,
+        dev_pairs=dev_pairs,
+        words=counts["words"],
+        distinct_words=counts["distinct_words"],
+        words_kept=min(counts["distinct_words"], config.vocab.max_words),
+        vocab_size=tokenizer.vocab_size,
+        first_real_id=tokenizer.first_real_id,
+    )
+    out.metrics.update(
+        train_pieces_per_sentence=pieces,
+        dev=dev,
+    )
+    logging.info("vocab: metrics=%s", out.metrics)
 
-    with artifacts.write(
-        config.workdir, "vocab", dag.stage_key(config, "vocab"),
-        config=dag.section_values(config, "vocab"),
-        config_yaml=config_lib.dump(config),
-        inputs={"prepare": prepared.uri},
-    ) as out:
-        pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
-        build(pipeline, config, train_pattern, out.path(WORD_COUNTS_FILE))
-        result = pipeline.run()
-        result.wait_until_finish()
-        distinct_words = _counter(result, "distinct_words")
-        if distinct_words == 0:
-            raise ValueError(f"the train split of {prepared.uri} has no words")
 
-        # SentencePiece records its input and output paths in the model file: a fixed local
-        # directory per key (one writer: the lease) keeps reruns byte-identical.
-        local_dir = os.path.join(tempfile.gettempdir(), "padir-vocab", out.key)
+def _train_sentencepiece(config: config_lib.Config, out: artifacts.PendingArtifact) -> bytes:
+    """SentencePiece from the artifact's word counts, into the artifact; its model bytes."""
+    # SentencePiece records its input and output paths in the model file: a fixed local
+    # directory per key (one writer: the lease) keeps reruns byte-identical.
+    local_dir = os.path.join(tempfile.gettempdir(), "padir-vocab", out.key)
+    shutil.rmtree(local_dir, ignore_errors=True)
+    os.makedirs(local_dir)
+    try:
+        local_counts = f"{local_dir}/{WORD_COUNTS_FILE}"
+        _fetch(out.path(WORD_COUNTS_FILE), local_counts)
+        model_prefix = f"{local_dir}/spm"
+        model_bytes = tokenizer_lib.train_sentencepiece(
+            local_counts, model_prefix, config.vocab, seed=config.seed, num_threads=2)
+        _put(f"{model_prefix}.model", out.path(tokenizer_lib.MODEL_FILE))
+        _put(f"{model_prefix}.vocab", out.path(tokenizer_lib.VOCAB_FILE))
+    finally:
         shutil.rmtree(local_dir, ignore_errors=True)
-        os.makedirs(local_dir)
-        try:
-            local_counts = f"{local_dir}/{WORD_COUNTS_FILE}"
-            _fetch(out.path(WORD_COUNTS_FILE), local_counts)
-            model_prefix = f"{local_dir}/spm"
-            model_bytes = tokenizer_lib.train_sentencepiece(
-                local_counts, model_prefix, config.vocab, seed=config.seed, num_threads=2)
-            _put(f"{model_prefix}.model", out.path(tokenizer_lib.MODEL_FILE))
-            _put(f"{model_prefix}.vocab", out.path(tokenizer_lib.VOCAB_FILE))
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
+    return model_bytes
 
-        tokenizer = tokenizer_lib.Tokenizer(model_bytes)
-        train_pairs, pieces = piece_length_stats(tokenizer, read_split(prepared, "train"), langs)
-        dev_pairs, dev = coverage_stats(tokenizer, read_split(prepared, "dev"), langs)
-        out.counts.update(
-            train_pairs=train_pairs,
-            dev_pairs=dev_pairs,
-            words=_counter(result, "words"),
-            distinct_words=distinct_words,
-            words_kept=min(distinct_words, config.vocab.max_words),
-            vocab_size=tokenizer.vocab_size,
-            first_real_id=tokenizer.first_real_id,
-        )
-        out.metrics.update(
-            train_pieces_per_sentence=pieces,
-            dev=dev,
-        )
-    artifact = artifacts.read(dag.output_uri(config, "vocab"))
-    logging.info("vocab: %s counts=%s metrics=%s", artifact.uri,
-                 artifact.manifest["counts"], artifact.manifest["metrics"])
-    return artifact
+
+def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+    """Recomputes the vocab artifact from the complete prepare artifact; returns it."""
+    prepared = dag.require_input(config, "prepare")
+    for split in (corpus.TRAIN, corpus.DEV):  # structural errors before any work starts
+        corpus.split_files(prepared.uri, split)
+    return job.run(
+        config, "vocab", beam_args, inputs={"prepare": prepared},
+        build=lambda pipeline, output_uri: build(
+            pipeline, config, corpus.split_pattern(prepared.uri, corpus.TRAIN),
+            artifacts.join(output_uri, WORD_COUNTS_FILE)),
+        namespace=NAMESPACE, counter_names=("words", "distinct_words"),
+        finish=functools.partial(finish, config, prepared))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

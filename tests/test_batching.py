@@ -5,7 +5,8 @@ import pytest
 from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from components import corpus, dag
+from components import corpus, dag, records
+from components.tokenizer import Tokenizer
 from pipelines import batching
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
@@ -19,16 +20,6 @@ def test_batches_are_cut_shortest_first_then_by_id():
     assert all(source == pair["source"] for batch in batches for pair, source in batch)
 
 
-@pytest.mark.parametrize("boundaries", [(16, 32, 64), (8, 24, 40), (64,)])
-def test_decoder_shapes_are_those_the_translator_pads_to(boundaries):
-    from model import inference
-
-    for length in range(1, 90):
-        cut = min(length, boundaries[-1])  # the Translator cuts sources to the widest bucket
-        assert batching.decoder_shape(length, boundaries) == (
-            inference.bucket(cut, boundaries), inference.output_width(cut, boundaries))
-
-
 @pytest.fixture(scope="module")
 def config(tiny_workdir):
     config = tiny_config(tiny_workdir, "encode.bucket_boundaries=[64]")  # test_distill's teacher
@@ -38,7 +29,7 @@ def config(tiny_workdir):
 
 
 def test_batch_by_length_keeps_every_pair_once_in_sorted_batches_of_one_shape(config):
-    tokenizer = batching.model_tokenizer(dag.require_input(config, "teacher"))
+    tokenizer = Tokenizer.for_artifact(dag.require_input(config, "teacher"))
     pairs = list(corpus.read_split(dag.output_uri(config, "prepare"), "train"))[:80]
     boundaries = (16, 32, 64)
 
@@ -46,7 +37,7 @@ def test_batch_by_length_keeps_every_pair_once_in_sorted_batches_of_one_shape(co
         lengths = [len(tokenizer.encode([source])[0]) + 1 for _, source in batch]
         keys = [(length, corpus.id_sort_key(pair["id"]))
                 for length, (pair, _) in zip(lengths, batch)]
-        shapes = {batching.decoder_shape(length, boundaries) for length in lengths}
+        shapes = {records.decoder_shape(length, boundaries) for length in lengths}
         return len(batch) <= 4, len(shapes), keys == sorted(keys)
 
     with BeamTestPipeline(runner="FnApiRunner") as p:

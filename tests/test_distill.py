@@ -15,10 +15,9 @@ import pytest
 
 from components import artifacts, corpus, dag, distillation
 from components.config import ConfigError, DistillConfig
-from components.tokenizer import EOS_ID
+from components.tokenizer import EOS_ID, Tokenizer
 from flows import cli
 from flows.stages import run_stage
-from pipelines import batching
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
 # --- element logic -----------------------------------------------------------------------
@@ -157,7 +156,7 @@ def test_a_rerun_writes_identical_pairs_and_rejects(config, distilled):
 
 def test_filters_reject_exactly_the_pairs_they_should(config, distilled):
     _, kept, _ = distilled
-    tokenizer = batching.model_tokenizer(dag.require_input(config, "teacher"))
+    tokenizer = Tokenizer.for_artifact(dag.require_input(config, "teacher"))
     source_tokens = {r["id"]: len(tokenizer.encode([r["source"]])[0]) + 1 for r in kept}
     ratio = {r["id"]: r["target_tokens"] / source_tokens[r["id"]] for r in kept}
     max_ratio = 1.5

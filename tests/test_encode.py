@@ -70,6 +70,16 @@ def test_bucket_of_picks_the_smallest_boundary_that_holds_both_sides():
         records.bucket_of(33, 1, (16, 32))
 
 
+def test_a_decoded_batch_has_the_bucket_of_its_cut_source_and_of_twice_that():
+    boundaries = (16, 32, 64)
+    assert records.decoder_shape(5, boundaries) == (16, 16)
+    assert records.decoder_shape(9, boundaries) == (16, 32)
+    assert records.decoder_shape(17, boundaries) == (32, 64)
+    assert records.decoder_shape(40, boundaries) == (64, 64)  # twice: cut to the widest
+    assert records.decoder_shape(90, boundaries) == (64, 64)  # the source cut to the widest
+    assert records.decoder_shape(90, (64,)) == (64, 64)
+
+
 def test_summarize_lengths():
     summary = records.summarize_lengths({3: 10, 5: 9, 40: 1})
     assert summary == {"count": 20, "mean": round((30 + 45 + 40) / 20, 3), "p95": 5, "max": 40,

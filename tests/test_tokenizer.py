@@ -8,6 +8,7 @@ import fsspec
 import pytest
 import sentencepiece as spm
 
+from components import artifacts
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from components.tokenizer import (BOS_ID, EOS_ID, LENGTH_ID, MASK_ID, NUM_RESERVED, PAD_ID,
@@ -142,6 +143,16 @@ def test_load_from_fsspec_and_pickle(model_bytes, tokenizer):
     for other in (loaded, copied):
         assert other.encode(SENTENCES) == tokenizer.encode(SENTENCES)
         assert other.first_real_id == tokenizer.first_real_id
+
+
+def test_an_artifact_gives_its_own_vocabulary_or_the_one_it_was_made_with(model_bytes):
+    with fsspec.open("memory://work/vocab/k1/spm.model", "wb") as f:
+        f.write(model_bytes)
+    vocab = artifacts.Artifact("vocab", "k1", "memory://work/vocab/k1", {"inputs": {}})
+    teacher = artifacts.Artifact("teacher", "k2", "memory://work/teacher/k2",
+                                 {"inputs": {"vocab": vocab.uri, "encode": "elsewhere"}})
+    for artifact in (vocab, teacher):
+        assert Tokenizer.for_artifact(artifact).model_bytes == model_bytes
 
 
 def test_without_byte_fallback_unseen_characters_are_unk(tmp_path):
