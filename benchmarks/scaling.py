@@ -1,0 +1,187 @@
+"""The cost curve of the data stages: Tatoeba de->en at 10k, 40k and all 170k pairs.
+
+For each size (`data.max_train_pairs`; `all` reads the whole corpus) this runs prepare,
+vocab, encode, teacher, distill and decode on configs/tatoeba_de_en.yaml, each stage as its
+own `python -m flows.cli stage NAME CONFIG` process, as a user would start it, and prints
+per stage and size: the pairs the stage processed, the process's wall time, the stage's
+own wall time (its manifest's `wall_seconds`: without interpreter start-up and imports),
+that time per 1k pairs, the marginal time per 1k pairs from the previous size (fixed
+costs cancel out), and the process's peak RSS (`os.wait4`: the stage process and what it
+waited for; Beam's FnApiRunner runs in-process).
+
+The teacher is fixed and cheap, and not part of the curve: a tiny model (`TINY_TEACHER`)
+trained for a few steps on each size's own vocabulary (the cost per pair is what is
+measured, not quality). Its translations are poor and their lengths not a trained
+teacher's (at 10k pairs: all end with EOS, 44% fail distill's length-ratio filter), and
+the benchmark's teacher costs more per decoder step: distill and decode show how the cost
+of the search grows with the corpus, not what it is with a real teacher (`--set
+teacher.model=...` measures another). decode runs the AR methods only (no student is trained) and times every test
+sentence one at a time too (`latency_sentences: null`), so its cost is linear in the carved
+test set, which grows with the corpus. Tatoeba is sorted from short to long sentences, so a
+smaller slice holds shorter ones: the `words/pair` column (both sides, as the vocab stage
+counts them) shows by how much. At small sizes fixed costs (Beam start-up, compiling each
+decoder shape) dominate the time per 1k pairs; the marginal column is the per-pair cost.
+
+    PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 40000 all
+    PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 \\
+        --workdir /tmp/scaling --set distill.batch_size=32
+
+Exit status 1 if a stage failed (its log is named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import yaml
+
+from components import artifacts, dag
+from components import config as config_lib
+
+STAGES = ("prepare", "vocab", "encode", "teacher", "distill", "decode")
+MEASURED = ("prepare", "vocab", "encode", "distill", "decode")  # the teacher is set-up
+VOCAB_SIZE = 4000  # one size for every slice: the 10k shortest pairs hold about 5,000 pieces
+TINY_TEACHER = {
+    "model": {"d_model": 64, "num_heads": 2, "num_encoder_layers": 1, "num_decoder_layers": 1,
+              "mlp_dim": 128, "dropout_rate": 0.0},
+    "optimizer": {"learning_rate": 3.0e-3, "warmup_steps": 5},
+    "loop": {"tokens_per_batch": 1024, "log_every": 10, "eval_every": 20,
+             "checkpoint_every": 20},
+    "steps": 20,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRun:
+    """One stage process at one size."""
+
+    stage: str
+    pairs: int  # what the stage processed (see `pairs_processed`)
+    process_seconds: float
+    stage_seconds: float  # the manifest's wall_seconds
+    peak_rss_mib: float
+
+
+def size_overlay(path: str, base_config: str, workdir: str, size: Optional[int]) -> str:
+    """Writes the config of one size (an overlay of `base_config`) to `path`."""
+    overlay = {
+        "include": os.path.abspath(base_config),
+        "workdir": workdir,
+        "data": {"max_train_pairs": size},
+        "vocab": {"size": VOCAB_SIZE},
+        "teacher": TINY_TEACHER,
+        "decode": {"methods": [{"name": "ar_greedy", "kind": "ar_greedy"},
+                               {"name": "ar_beam4", "kind": "ar_beam", "beam_size": 4}],
+                   "latency_sentences": None},
+    }
+    with open(path, "w") as f:
+        yaml.safe_dump(overlay, f, sort_keys=False)
+    return path
+
+
+def run_stage(stage: str, config_path: str, overrides: Sequence[str], log_path: str
+              ) -> tuple[float, float, int]:
+    """Runs one stage in a fresh process; returns (wall seconds, peak RSS in MiB, status)."""
+    command = [sys.executable, "-m", "flows.cli", "stage", stage, config_path]
+    command += [flag for override in overrides for flag in ("--set", override)]
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        # wait4, not wait: it returns this child's own resource usage (ru_maxrss in KiB).
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+    return time.monotonic() - start, usage.ru_maxrss / 1024, process.returncode
+
+
+# The pairs each stage processed, from its manifest's counts: the train pairs (encode: and
+# dev), or for decode the test sentences (each decoded by every method, batched and alone).
+PAIRS = {
+    "prepare": lambda counts: counts["read.train"],
+    "vocab": lambda counts: counts["train_pairs"],
+    "encode": lambda counts: counts["read.train"] + counts["read.dev"],
+    "teacher": lambda counts: 0,  # set-up, not on the curve
+    "distill": lambda counts: counts["read"],
+    "decode": lambda counts: sum(n for name, n in counts.items() if name.startswith("read.")),
+}
+
+
+def measure_size(size: Optional[int], args, scratch: str) -> tuple[list[StageRun], float]:
+    """Runs every stage at one size; returns its runs and the words per train pair."""
+    label = "all" if size is None else str(size)
+    config_path = size_overlay(os.path.join(scratch, f"scaling-{label}.yaml"), args.config,
+                               os.path.join(scratch, "work"), size)
+    config = config_lib.load(config_path, args.set)
+    runs, counts = [], {}
+    for stage in STAGES:
+        log_path = os.path.join(scratch, "logs", f"{label}-{stage}.log")
+        seconds, rss, status = run_stage(stage, config_path, args.set, log_path)
+        if status != 0:
+            raise RuntimeError(f"stage {stage} at size {label} failed (exit {status}): "
+                               f"see {log_path}")
+        manifest = artifacts.read(dag.output_uri(config, stage)).manifest
+        counts[stage] = manifest["counts"]
+        runs.append(StageRun(stage, PAIRS[stage](counts[stage]), seconds,
+                             manifest["wall_seconds"], rss))
+        print(f"  {label} {stage}: {seconds:.1f} s, {rss:.0f} MiB", file=sys.stderr, flush=True)
+    # The vocab stage counts the whitespace words of both sides of the train split.
+    return runs, counts["vocab"]["words"] / counts["vocab"]["train_pairs"]
+
+
+def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
+    """Markdown: per measured stage and size, the figures of the module docstring."""
+    lines = ["| stage | size | pairs | words/pair | process s | stage s | s / 1k pairs "
+             "| marginal s / 1k | peak RSS MiB |", "|---" * 9 + "|"]
+    for stage in MEASURED:
+        previous = None
+        for label, (runs, words) in results.items():
+            run = next(r for r in runs if r.stage == stage)
+            per_1k = 1e3 * run.stage_seconds / run.pairs if run.pairs else float("nan")
+            marginal = "-"
+            if previous is not None and run.pairs > previous.pairs:
+                extra = run.stage_seconds - previous.stage_seconds
+                marginal = f"{1e3 * extra / (run.pairs - previous.pairs):.3f}"
+            lines.append(f"| {stage} | {label} | {run.pairs:,} | {words:.1f} | "
+                         f"{run.process_seconds:.1f} | {run.stage_seconds:.1f} | {per_1k:.3f} | "
+                         f"{marginal} | {run.peak_rss_mib:.0f} |")
+            previous = run
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["10000", "40000", "all"],
+                        help="training pairs read (data.max_train_pairs), or 'all'")
+    parser.add_argument("--config", default="configs/tatoeba_de_en.yaml")
+    parser.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value in every stage, e.g. distill.batch_size=32")
+    args = parser.parse_args(argv)
+    sizes = [None if size == "all" else int(size) for size in args.sizes]
+    scratch = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="padir-scaling-"))
+    os.makedirs(os.path.join(scratch, "logs"), exist_ok=True)
+    print(f"scratch {scratch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+          file=sys.stderr)
+    results = {}
+    try:
+        for size in sizes:
+            results["all" if size is None else f"{size:,}"] = measure_size(size, args, scratch)
+    except RuntimeError as e:
+        print(f"scaling: {e}", file=sys.stderr)
+        return 1
+    print(table(results))
+    teacher = ", ".join(f"{label} {runs[STAGES.index('teacher')].process_seconds:.0f} s"
+                        for label, (runs, _) in results.items())
+    print(f"\nload average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
+          f"teacher (set-up, not measured): {teacher}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
