@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from components import artifacts, corpus, dag  # noqa: E402
 from components import config as config_lib  # noqa: E402
+from components.tokenizer import Tokenizer  # noqa: E402
 
 WAYS = ("plain", "beam_1", "beam_2")
 BEAM_FLAGS = {
@@ -72,7 +73,7 @@ def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
     from pipelines import batching, distill
 
     teacher = artifacts.read(teacher_uri)
-    tokenizer = batching.model_tokenizer(teacher)
+    tokenizer = Tokenizer.for_artifact(teacher)
     pairs = list(corpus.read_split(folder, corpus.TRAIN))
     boundaries = config.encode.bucket_boundaries
     key = batching.KeyByDecoderShape(tokenizer, boundaries, num_groups=1)  # one input shard
@@ -99,20 +100,20 @@ def run_beam(config: config_lib.Config, teacher_uri: str, folder: str, way: str)
     """The distill job on the FnApiRunner with `BEAM_FLAGS[way]`."""
     import apache_beam as beam
 
-    from pipelines import batching, distill
+    from pipelines import distill, job
     from pipelines import options as options_lib
 
     teacher = artifacts.read(teacher_uri)
     output = tempfile.mkdtemp(prefix=f"distill-{way}-", dir=folder)
     pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, BEAM_FLAGS[way]))
     distill.build(pipeline, config, prepared_uri=folder, teacher_uri=teacher_uri,
-                  tokenizer=batching.model_tokenizer(teacher), num_shards=1,
+                  tokenizer=Tokenizer.for_artifact(teacher), num_shards=1,
                   output_uri=output)
     started = time.perf_counter()
     result = pipeline.run()
     result.wait_until_finish()
     seconds = time.perf_counter() - started
-    counts = distill.collect_counts(result)
+    counts = job.counter_values(result, distill.NAMESPACE, distill.COUNTER_NAMES)
     with open(os.path.join(output, distill.STATS_FILE)) as f:
         stats = json.load(f)
     return {"sentences": counts["read"], "seconds": seconds,
