@@ -21,15 +21,18 @@ over its tokens (EOS included), without the length penalty: `log_prob` recovers 
 the beam's score. Records also carry the token counts the filters used.
 
 `DistillationStats` sums, over the kept pairs, the whitespace words of sources, distilled
-targets and original targets and their distinct words (types), for the length ratios and
-type/token ratios that compare distilled with original targets on the same sentences; and,
-over all translated sentences, the decode seconds (`latency_s` sums to the batches' time).
+targets and original targets, for the length ratios and type/token ratios that compare
+distilled with original targets on the same sentences; and, over all translated
+sentences, the decode seconds (`latency_s` sums to the batches' time). Its summary takes
+the number of distinct words (types) of each side, which the job counts apart from it
+(`target_words`, made distinct by a Beam step): a set of them would grow with the
+vocabulary in one worker's memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from components.config import DistillConfig
 from components.tokenizer import EOS_ID
@@ -105,9 +108,21 @@ def judge(pair: Mapping[str, str], translation: Mapping[str, Any],
         decode_seconds=float(translation["latency_s"]))
 
 
+TARGET_SIDES = ("distilled", "original")
+
+
+def target_words(verdict: Verdict) -> Iterator[tuple[str, str]]:
+    """A kept pair's target words as (side, word), side in `TARGET_SIDES`; none for a
+    reject. Their distinct elements, counted per side, are the types of `summary`."""
+    if verdict.reason is None:
+        for side, text in zip(TARGET_SIDES, (verdict.hypothesis, verdict.target)):
+            for word in text.split():
+                yield side, word
+
+
 @dataclasses.dataclass
 class DistillationStats:
-    """Mergeable word statistics of distilled vs original targets (see module docstring)."""
+    """Mergeable word counts of distilled vs original targets (see module docstring)."""
 
     translated: int = 0
     decode_seconds: float = 0.0
@@ -115,20 +130,15 @@ class DistillationStats:
     source_words: int = 0
     distilled_words: int = 0
     original_words: int = 0
-    distilled_types: set[str] = dataclasses.field(default_factory=set)
-    original_types: set[str] = dataclasses.field(default_factory=set)
 
     def add(self, verdict: Verdict) -> "DistillationStats":
         self.translated += 1
         self.decode_seconds += verdict.decode_seconds
         if verdict.reason is None:
-            distilled, original = verdict.hypothesis.split(), verdict.target.split()
             self.kept += 1
             self.source_words += len(verdict.source.split())
-            self.distilled_words += len(distilled)
-            self.original_words += len(original)
-            self.distilled_types.update(distilled)
-            self.original_types.update(original)
+            self.distilled_words += len(verdict.hypothesis.split())
+            self.original_words += len(verdict.target.split())
         return self
 
     def merge(self, other: "DistillationStats") -> "DistillationStats":
@@ -138,13 +148,17 @@ class DistillationStats:
         self.source_words += other.source_words
         self.distilled_words += other.distilled_words
         self.original_words += other.original_words
-        self.distilled_types |= other.distilled_types
-        self.original_types |= other.original_types
         return self
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, types: Mapping[str, int]) -> dict[str, Any]:
         """Plain figures: target/source word ratios and type/token ratios of the kept
-        pairs' distilled and original targets, and the decode time of all sentences."""
+        pairs' distilled and original targets, and the decode time of all sentences.
+
+        Args:
+          types: side ("distilled", "original") -> distinct words of the kept pairs'
+            targets on that side (a side without any may be absent).
+        """
+        distilled_types, original_types = (types.get(side, 0) for side in TARGET_SIDES)
         return {
             "translated": self.translated,
             "decode_seconds": round(self.decode_seconds, 3),
@@ -152,10 +166,9 @@ class DistillationStats:
             "length_ratio": {"distilled": _ratio(self.distilled_words, self.source_words),
                              "original": _ratio(self.original_words, self.source_words)},
             "type_token_ratio": {
-                "distilled": _ratio(len(self.distilled_types), self.distilled_words),
-                "original": _ratio(len(self.original_types), self.original_words)},
-            "types": {"distilled": len(self.distilled_types),
-                      "original": len(self.original_types)},
+                "distilled": _ratio(distilled_types, self.distilled_words),
+                "original": _ratio(original_types, self.original_words)},
+            "types": {"distilled": distilled_types, "original": original_types},
         }
 
 

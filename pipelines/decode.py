@@ -201,7 +201,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
         pairs = pipeline | f"Read[{split}]" >> ReadTestSet(
             corpus.split_pattern(prepared_uri, split), split, settings.max_sentences)
         batches = pairs | f"BatchByLength[{split}]" >> batching.BatchByLength(
-            tokenizer, boundaries, batch_size=settings.throughput_batch_size, num_groups=1)
+            tokenizer, boundaries, batch_size=settings.throughput_batch_size)
         sample = (pairs
                   | f"LatencySample[{split}]" >> FirstById(settings.latency_sentences,
                                                            key=lambda pair: pair["id"])

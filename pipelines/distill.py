@@ -17,7 +17,7 @@ Contract:
                   "score", "source_tokens", "hypothesis_tokens"}` (target: the original;
                   hypothesis: the teacher's); reasons and filters in
                   components/distillation.py;
-            stats.json                   the figures of `DistillationStats`;
+            stats.json                   the figures of `DistillationStats.summary`;
             manifest.json   counts `read`, `kept`, `rejected.<reason>` (Beam counters; read
                   = kept + rejected, checked) and `dev`; metrics `length_ratio` and
                   `type_token_ratio` (distilled vs original targets of the kept pairs, in
@@ -26,10 +26,10 @@ Contract:
 
 Batching (pipelines/batching.py). Sources are cut into batches of `distill.batch_size`
 of one decoder shape each, sorted by length, with the teacher's tokenizer and the length
-buckets `encode.bucket_boundaries` it was trained with, in as many groups as the prepared
-train split has shards; the batches' contents do not depend on the runner, so a rerun
-writes the same pairs. Each worker process restores the teacher once
-(pipelines/inference.py). More prepared train shards mean more, smaller groups.
+buckets `encode.bucket_boundaries` it was trained with, in groups of a bounded size
+(`batching.MAX_GROUP_SIZE`), so that no worker sorts more however large the corpus; the
+batches' contents do not depend on the runner, so a rerun writes the same pairs. Each
+worker process restores the teacher once (pipelines/inference.py).
 
 Run it alone, locally (the in-process FnApiRunner):
 
@@ -93,7 +93,7 @@ def _is_rejected(verdict: distillation.Verdict, num_partitions: int) -> int:
 
 
 class SummarizeDistillation(beam.CombineFn):
-    """Verdicts -> `DistillationStats.summary()`."""
+    """Verdicts -> their `DistillationStats` (counts only: a few numbers per worker)."""
 
     def create_accumulator(self):
         return distillation.DistillationStats()
@@ -108,7 +108,26 @@ class SummarizeDistillation(beam.CombineFn):
         return merged
 
     def extract_output(self, accumulator):
-        return accumulator.summary()
+        return accumulator
+
+
+class CountTypes(beam.PTransform):
+    """Verdicts -> (side, distinct words of the kept pairs' targets on that side).
+
+    `Distinct` shuffles the words by value, so each worker holds only its share of the
+    vocabulary, and the per-side counts are combined as numbers."""
+
+    def expand(self, verdicts):
+        return (
+            verdicts
+            | "TargetWords" >> beam.FlatMap(distillation.target_words)
+            | "Distinct" >> beam.Distinct()
+            | "CountPerSide" >> beam.combiners.Count.PerKey()
+        )
+
+
+def _summary(stats: distillation.DistillationStats, types: dict[str, int]) -> dict:
+    return stats.summary(types)
 
 
 def _to_json(record: dict) -> str:
@@ -125,8 +144,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
 
     Args:
       tokenizer: the teacher's, for the batch keys (the handler loads its own copy).
-      num_shards: of the distilled train split, and the number of batching groups per
-        decoder shape (the prepared train split's shards).
+      num_shards: of the distilled train split (the prepared train split's shards).
       expected_sentences: the train split's size, for the ETA of the progress log.
     """
     settings = config.distill
@@ -141,8 +159,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
         | "ParseJson" >> beam.Map(json.loads)
         | "CountRead" >> beam.Map(job.counted, NAMESPACE, "read")
         | "BatchByLength" >> batching.BatchByLength(tokenizer, boundaries,
-                                           batch_size=settings.batch_size,
-                                           num_groups=num_shards)
+                                                    batch_size=settings.batch_size)
         | "Translate" >> RunInference(KeyedModelHandler(handler).with_no_batching())
         | "Judge" >> beam.Map(judge, settings)
     )
@@ -161,9 +178,11 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
             artifacts.join(output_uri, corpus.REJECTS), file_name_suffix=".jsonl",
             num_shards=1, shard_name_template=_SHARDS)
     )
+    types = verdicts | "CountTypes" >> CountTypes()
     _ = (
         verdicts
         | "Summarize" >> beam.CombineGlobally(SummarizeDistillation())
+        | "AddTypes" >> beam.Map(_summary, beam.pvalue.AsDict(types))
         | "FormatStats" >> beam.Map(json.dumps, sort_keys=True)
         | "WriteStats" >> beam.io.WriteToText(
             artifacts.join(output_uri, STATS_FILE), num_shards=1, shard_name_template="")

@@ -11,13 +11,17 @@ import dataclasses
 import json
 import os
 
+import apache_beam as beam
 import pytest
+from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
+from apache_beam.testing.util import assert_that, equal_to
 
 from components import artifacts, corpus, dag, distillation
 from components.config import ConfigError, DistillConfig
 from components.tokenizer import EOS_ID, Tokenizer
 from flows import cli
 from flows.stages import run_stage
+from pipelines import distill
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
 # --- element logic -----------------------------------------------------------------------
@@ -66,15 +70,22 @@ def test_stats_compare_distilled_and_original_targets_on_kept_pairs():
     def verdict(hypothesis, target, reason=None):
         return distillation.Verdict("i", "a b", target, hypothesis, -1.0, 3, 3, reason, 0.25)
 
-    left = distillation.DistillationStats().add(verdict("x x y", "x y z w"))
-    right = distillation.DistillationStats().add(verdict("x y", "z z")).add(
-        verdict("q r s t u v", "q", reason="length_ratio"))
-    summary = left.merge(right).summary()
+    verdicts = [verdict("x x y", "x y z w"), verdict("x y", "z z"),
+                verdict("q r s t u v", "q", reason="length_ratio")]
+    left = distillation.DistillationStats().add(verdicts[0])
+    right = distillation.DistillationStats().add(verdicts[1]).add(verdicts[2])
+    with BeamTestPipeline(runner="FnApiRunner") as p:
+        types = p | beam.Create(verdicts) | distill.CountTypes()
+        assert_that(types, equal_to([("distilled", 2), ("original", 4)]))
+    summary = left.merge(right).summary({"distilled": 2, "original": 4})
     assert summary["translated"] == 3 and summary["kept"] == 2
     assert summary["decode_seconds"] == 0.75
     assert summary["length_ratio"] == {"distilled": 5 / 4, "original": 6 / 4}
     assert summary["type_token_ratio"] == {"distilled": 2 / 5, "original": round(4 / 6, 4)}
-    assert distillation.DistillationStats().summary()["length_ratio"]["distilled"] is None
+    assert summary["types"] == {"distilled": 2, "original": 4}
+    nothing_kept = distillation.DistillationStats().summary({})
+    assert nothing_kept["length_ratio"]["distilled"] is None
+    assert nothing_kept["types"] == {"distilled": 0, "original": 0}
 
 
 def test_the_config_refuses_meaningless_values():
@@ -144,6 +155,9 @@ def test_every_source_is_kept_or_a_counted_reject_aligned_by_id(config, distille
     assert 0 < metrics["type_token_ratio"]["distilled"] <= 1
     assert metrics["throughput"]["sentences_per_s"] > 0
     assert metrics["kept_fraction"] == pytest.approx(len(kept) / counts["read"], abs=1e-4)
+    assert metrics["types"] == {  # the distinct words, counted by a distributed step
+        "distilled": len({word for r in kept for word in r["target"].split()}),
+        "original": len({word for r in kept for word in prepared[r["id"]]["target"].split()})}
 
 
 def test_a_rerun_writes_identical_pairs_and_rejects(config, distilled):
