@@ -9,13 +9,19 @@ Contract:
             spm.model, spm.vocab  a joint SentencePiece model trained from that file with
                              the reserved ids of `components.tokenizer` (pad 0, eos 1, unk 2,
                              bos 3, <mask> 4, <length> 5; then the byte pieces);
-            manifest.json    counts (words, distinct words, vocab size) and metrics (pieces
-                             per sentence on train, unk / byte-fallback rate and character
-                             coverage on dev, per language).
+            piece_lengths.tsv  `lang<TAB>pieces<TAB>sentences`: how many train sentences
+                             of each language the model cuts into that many pieces;
+            manifest.json    counts (train pairs, words, distinct words, vocab size) and
+                             metrics (pieces per sentence on train, from that histogram;
+                             unk / byte-fallback rate and character coverage on dev, per
+                             language).
 
-Only the counting is a Beam job (it scales out); SentencePiece then trains in-process on
-the counts, which are small. Training on `word<TAB>count` gives the same model as training
-on the sentences: SentencePiece never builds a piece across a space.
+Two Beam jobs, which scale out: the word count, then, once SentencePiece has trained
+in-process on the counts (at most `vocab.max_words` lines), the piece-length histogram of
+the train split with the trained model. Training on `word<TAB>count` gives the same model
+as training on the sentences: SentencePiece never builds a piece across a space. The dev
+coverage figures are computed in-process: the dev split is a held-out set sized for
+evaluation, which training decodes whole at every evaluation anyway.
 
 Run it alone, locally:
 
@@ -52,6 +58,7 @@ from pipelines import job
 from pipelines import options as options_lib
 
 WORD_COUNTS_FILE = "word_counts.tsv"
+PIECE_LENGTHS_FILE = "piece_lengths.tsv"
 NAMESPACE = "vocab"
 _ENCODE_BATCH = 1024
 
@@ -132,7 +139,8 @@ class SelectTopWords(beam.PTransform):
 
 def build(pipeline: beam.Pipeline, config: config_lib.Config, input_pattern: str,
           output_uri: str) -> None:
-    """Adds the word count: prepared JSON lines at `input_pattern` -> `output_uri` (TSV)."""
+    """Adds the word count (the first job): prepared JSON lines at `input_pattern` ->
+    `output_uri` (TSV)."""
     _ = (
         pipeline
         | "ReadTrain" >> beam.io.ReadFromText(input_pattern)
@@ -140,6 +148,51 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, input_pattern: str
         | "CountWords" >> CountWords()
         | "SelectTopWords" >> SelectTopWords(config.vocab.max_words)
         | "WriteWordCounts" >> beam.io.WriteToText(
+            output_uri, num_shards=1, shard_name_template="")
+    )
+
+
+class PieceLengthsFn(beam.DoFn):
+    """A batch of prepared pairs -> ((lang, pieces), sentences): the batch's histogram of
+    each side with the trained model (SentencePiece encodes a batch many times faster than
+    its sentences one by one); counts the pairs as `train_pairs`."""
+
+    def __init__(self, tokenizer: tokenizer_lib.Tokenizer, langs: tuple[str, str]):
+        super().__init__()
+        self._tokenizer = tokenizer  # pickles as its model bytes
+        self._langs = langs
+        self.pairs = Metrics.counter(NAMESPACE, "train_pairs")
+
+    def process(self, pairs: list[dict]) -> Iterator[tuple[tuple[str, int], int]]:
+        self.pairs.inc(len(pairs))
+        for lang, side in zip(self._langs, ("source", "target")):
+            lengths = collections.Counter(
+                len(ids) for ids in self._tokenizer.encode([pair[side] for pair in pairs]))
+            yield from (((lang, pieces), sentences) for pieces, sentences in lengths.items())
+
+
+def format_histogram(entries: Sequence[tuple[tuple[str, int], int]]) -> Iterator[str]:
+    """((lang, pieces), sentences) entries -> the whole TSV as one element, sorted."""
+    if entries:
+        yield "\n".join(f"{lang}\t{pieces}\t{sentences}"
+                        for (lang, pieces), sentences in sorted(entries))
+
+
+def build_piece_lengths(pipeline: beam.Pipeline, tokenizer: tokenizer_lib.Tokenizer,
+                        langs: tuple[str, str], input_pattern: str, output_uri: str) -> None:
+    """Adds the piece-length histogram: prepared JSON lines at `input_pattern` ->
+    `output_uri` (TSV). Counting is a combine, so only (lang, pieces) entries are shuffled;
+    the one gathered list holds one entry per language and distinct length."""
+    _ = (
+        pipeline
+        | "ReadTrain" >> beam.io.ReadFromText(input_pattern)
+        | "ParseJson" >> beam.Map(json.loads)
+        | "Batch" >> beam.BatchElements(max_batch_size=_ENCODE_BATCH)
+        | "CountPieces" >> beam.ParDo(PieceLengthsFn(tokenizer, langs))
+        | "Histogram" >> beam.CombinePerKey(sum)
+        | "Gather" >> beam.combiners.ToList()
+        | "Format" >> beam.FlatMap(format_histogram)
+        | "WritePieceLengths" >> beam.io.WriteToText(
             output_uri, num_shards=1, shard_name_template="")
     )
 
@@ -177,18 +230,6 @@ def summarise_lengths(histogram: collections.Counter) -> dict:
         if seen >= rank:
             return {"mean": round(mean, 3), "p95": length}
     raise AssertionError("unreachable")
-
-
-def piece_length_stats(tokenizer: tokenizer_lib.Tokenizer, pairs: Iterable[dict],
-                       langs: tuple[str, str]) -> tuple[int, dict]:
-    """Pieces per sentence (mean, p95) per language; also returns the number of pairs."""
-    histograms = {lang: collections.Counter() for lang in langs}
-    num_pairs = 0
-    for batch in _batches(pairs, _ENCODE_BATCH):
-        num_pairs += len(batch)
-        for lang, side in zip(langs, ("source", "target")):
-            histograms[lang].update(len(ids) for ids in tokenizer.encode([p[side] for p in batch]))
-    return num_pairs, {lang: summarise_lengths(h) for lang, h in histograms.items()}
 
 
 def vocab_characters(tokenizer: tokenizer_lib.Tokenizer) -> frozenset[str]:
@@ -247,10 +288,29 @@ def _fetch(uri: str, local_path: str) -> None:
     fs.get_file(path, local_path)
 
 
-def finish(config: config_lib.Config, prepared: artifacts.Artifact,
+def piece_length_stats(config: config_lib.Config, beam_args: Sequence[str],
+                       tokenizer: tokenizer_lib.Tokenizer, langs: tuple[str, str],
+                       input_pattern: str, output_uri: str) -> tuple[int, dict]:
+    """Runs the piece-length job (`build_piece_lengths`) to the end: pieces per sentence
+    (mean, p95) per language; also returns the number of pairs."""
+    pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+    build_piece_lengths(pipeline, tokenizer, langs, input_pattern, output_uri)
+    result = pipeline.run()
+    result.wait_until_finish()
+    num_pairs = job.counter_values(result, NAMESPACE, ("train_pairs",))["train_pairs"]
+    histograms = {lang: collections.Counter() for lang in langs}
+    fs, path = artifacts.filesystem(output_uri)
+    with fs.open(path, "r", encoding="utf-8") as f:
+        for line in f:
+            lang, pieces, sentences = line.rstrip("\n").split("\t")
+            histograms[lang][int(pieces)] += int(sentences)
+    return num_pairs, {lang: summarise_lengths(h) for lang, h in histograms.items()}
+
+
+def finish(config: config_lib.Config, beam_args: Sequence[str], prepared: artifacts.Artifact,
            out: artifacts.PendingArtifact, finished: job.Finished) -> None:
-    """Trains SentencePiece on the word counts; the manifest gets the counts and the
-    model's figures on the prepared train and dev splits."""
+    """Trains SentencePiece on the word counts and runs the piece-length job with it; the
+    manifest gets the counts and the model's figures on the prepared train and dev splits."""
     counts = finished.counts
     if counts["distinct_words"] == 0:
         raise ValueError(f"the train split of {prepared.uri} has no words")
@@ -259,7 +319,9 @@ def finish(config: config_lib.Config, prepared: artifacts.Artifact,
     langs = (config.data.source_lang, config.data.target_lang)
     if langs[0] == langs[1]:  # the metrics are keyed by language
         langs = (f"{langs[0]}-source", f"{langs[1]}-target")
-    train_pairs, pieces = piece_length_stats(tokenizer, stream_split(prepared, corpus.TRAIN), langs)
+    train_pairs, pieces = piece_length_stats(
+        config, beam_args, tokenizer, langs, corpus.split_pattern(prepared.uri, corpus.TRAIN),
+        out.path(PIECE_LENGTHS_FILE))
     dev_pairs, dev = coverage_stats(tokenizer, stream_split(prepared, corpus.DEV), langs)
     out.counts.update(
         train_pairs=train_pairs,
@@ -308,7 +370,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
             pipeline, config, corpus.split_pattern(prepared.uri, corpus.TRAIN),
             artifacts.join(output_uri, WORD_COUNTS_FILE)),
         namespace=NAMESPACE, counter_names=("words", "distinct_words"),
-        finish=functools.partial(finish, config, prepared))
+        finish=functools.partial(finish, config, beam_args, prepared))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,8 +122,18 @@ def test_stage_smoke(config_path):
         "first_real_id": 262,
     }
     metrics = manifest["metrics"]
+    # The piece-length job's histogram is the train split's, sentence by sentence.
+    histogram = collections.Counter(
+        (lang, len(ids)) for lang, side in (("en", "source"), ("de", "target"))
+        for ids in tokenizer.encode([p[side] for p in train]))
+    with open(artifact.path(vocab.PIECE_LENGTHS_FILE), encoding="utf-8") as f:
+        piece_lengths = f.read()
+    assert piece_lengths == "".join(f"{lang}\t{n}\t{c}\n"
+                                    for (lang, n), c in sorted(histogram.items()))
     for lang in ("en", "de"):
         pieces = metrics["train_pieces_per_sentence"][lang]
+        assert pieces == vocab.summarise_lengths(collections.Counter(
+            {n: c for (side, n), c in histogram.items() if side == lang}))
         assert 5 <= pieces["mean"] <= pieces["p95"] <= 60  # 38 real pieces: near characters
         assert metrics["dev"][lang]["unk_rate"] == 0.0
     # With character_coverage 1.0 the vocab holds exactly the characters of the kept words;
@@ -143,6 +153,8 @@ def test_stage_smoke(config_path):
     assert rerun.uri == artifact.uri
     with open(rerun.path(tokenizer_lib.MODEL_FILE), "rb") as f:
         assert f.read() == model_bytes
+    with open(rerun.path(vocab.PIECE_LENGTHS_FILE), encoding="utf-8") as f:
+        assert f.read() == piece_lengths
     again = tokenizer_lib.Tokenizer.load(rerun.path(tokenizer_lib.MODEL_FILE))
     assert [again.id_to_piece(i) for i in range(300)] == [
         tokenizer.id_to_piece(i) for i in range(300)]
