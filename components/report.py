@@ -11,7 +11,7 @@ reference of each, in the same order; `throughput` the decode manifest's figures
 pass; `timed` the lines of the batch-1 pass over the latency sample.
 
 Per method: sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only
-to compare with the Multi30k literature), stutter (components/metrics.py), latency per
+to compare with published figures that use it), stutter (components/metrics.py), latency per
 sentence at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences and tokens per
 second of decode time), mean decoder passes, and speedups over the AR baselines: the first
 method of kind `ar_greedy` and the first of kind `ar_beam`. A latency speedup is baseline
@@ -221,8 +221,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         if methods:
             for name in ("bleu", "chrf", "bleu_tok_lc"):
                 lines.append(f"- {name}: `{methods[0][name]['signature']}`")
-        lines += ["- BLEU tok+lc is sacreBLEU 13a, lowercased: only to compare with the Multi30k "
-                  "literature (components/metrics.py says how it differs).", ""]
+        lines += ["- BLEU tok+lc is sacreBLEU 13a, lowercased: only to compare with published "
+                  "figures that use tokenised lowercased BLEU (components/metrics.py says how "
+                  "it differs from theirs).", ""]
         lines += [f"![{plot}](plots/{test_set}/{plot}.png)" for plot in PLOTS] + [""]
     return "\n".join(lines)
 

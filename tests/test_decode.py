@@ -220,6 +220,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     with open(scored.path(score_stage.REPORT_MD)) as f:
         markdown = f.read()
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
+    # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
+    assert "compare with published figures" in markdown and "Multi30k" not in markdown
     for plot in report.PLOTS:
         with open(scored.path("plots", "test2016", f"{plot}.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
