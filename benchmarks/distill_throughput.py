@@ -76,7 +76,7 @@ def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
     tokenizer = Tokenizer.for_artifact(teacher)
     pairs = list(corpus.read_split(folder, corpus.TRAIN))
     boundaries = config.encode.bucket_boundaries
-    key = batching.KeyByDecoderShape(tokenizer, boundaries, num_groups=1)  # one input shard
+    key = batching.KeyByDecoderShape(tokenizer, boundaries)
     groups = collections.defaultdict(list)
     for pair in pairs:
         for shape, member in key.process(pair):

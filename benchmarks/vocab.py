@@ -92,7 +92,9 @@ def main() -> None:
 
     zip_path = os.path.join(args.data_root, "tatoeba", "deu-eng.zip")
     config = config_lib.Config(
-        data=config_lib.DataConfig(train=config_lib.CorpusConfig(tsv=zip_path, member="deu.txt")),
+        data=config_lib.DataConfig(  # Tatoeba's export: English<TAB>German
+            source_lang="en", target_lang="de",
+            train=config_lib.CorpusConfig(tsv=zip_path, member="deu.txt")),
         vocab=config_lib.VocabConfig(size=args.vocab_size),
     )
     (pairs, malformed), read_s = timed(read_pairs, zip_path, "deu.txt")

@@ -95,10 +95,13 @@ class DataConfig:
     `target` where a corpus has several sources per target, as Tatoeba de->en has several
     German sentences per English one). Likewise a test split named "test" when `test` is
     empty. `max_train_pairs` reads only the first N training pairs (the demo's slice).
+
+    `source_lang` and `target_lang` (language codes) are required: they label the metrics,
+    and a default pair would mislabel any other.
     """
 
-    source_lang: str = "en"
-    target_lang: str = "de"
+    source_lang: str = ""  # required (checked below): "" is "not given"
+    target_lang: str = ""
     train: CorpusConfig = CorpusConfig()
     dev: Optional[CorpusConfig] = None
     test: tuple[TestSetConfig, ...] = ()
@@ -108,6 +111,10 @@ class DataConfig:
     max_train_pairs: Optional[int] = None
 
     def __post_init__(self):
+        for name, side in (("source_lang", "source"), ("target_lang", "target")):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name} is required: the language code of the {side} "
+                                  "side (e.g. en), which labels the metrics")
         if self.carve_by not in ("source", "target"):  # also when built in code, not parsed
             raise ConfigError("data.carve_by: expected 'source' or 'target'")
         for name in ("carve_dev_fraction", "carve_test_fraction"):
@@ -548,7 +555,7 @@ class Config:
     workdir: str = "work"  # local (made absolute, relative to the current directory) or gs://
     seed: int = 0
     beam: BeamConfig = BeamConfig()
-    data: DataConfig = DataConfig()
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # fails: langs required
     prepare: PrepareConfig = PrepareConfig()
     vocab: VocabConfig = VocabConfig()
     encode: EncodeConfig = EncodeConfig()

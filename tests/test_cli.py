@@ -97,7 +97,8 @@ def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, argv, message):
     _artifact(tmp_path / "work" / "train" / "k")
     (tmp_path / "bad.yaml").write_text("seed: [\n")
-    (tmp_path / "ok.yaml").write_text("data: {train: {tsv: x.tsv}}\n")
+    (tmp_path / "ok.yaml").write_text(
+        "data: {source_lang: en, target_lang: de, train: {tsv: x.tsv}}\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit:
         cli.main(argv)

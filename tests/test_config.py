@@ -10,7 +10,8 @@ from components import config as config_lib
 from components import dag
 from components.config import ConfigError
 
-BASE = {"workdir": "work", "data": {"train": {"source": "a.en", "target": "a.de"}}}
+LANGS = {"source_lang": "en", "target_lang": "de"}
+BASE = {"workdir": "work", "data": {**LANGS, "train": {"source": "a.en", "target": "a.de"}}}
 
 
 def _write_yaml(path, data) -> str:
@@ -91,8 +92,8 @@ def test_corpus_locations_keep_their_placeholders_and_other_strings_are_expanded
     monkeypatch.setenv("PADIR_DATA_ROOT", "https://user:s3cret@host/data")
     monkeypatch.setenv("PADIR_WORK", str(tmp_path / "w"))
     data = {"workdir": "${PADIR_WORK}",
-            "data": {"train": {"source": "${PADIR_DATA_ROOT}/train.en.gz",
-                               "target": "${PADIR_DATA_ROOT}/train.de.gz"}}}
+            "data": {**LANGS, "train": {"source": "${PADIR_DATA_ROOT}/train.en.gz",
+                                          "target": "${PADIR_DATA_ROOT}/train.de.gz"}}}
     config = _load(tmp_path, data)
     assert config.workdir == str(tmp_path / "w")
     assert config.data.train.source == "${PADIR_DATA_ROOT}/train.en.gz"
@@ -122,7 +123,8 @@ def test_missing_env_var_names_variable_and_key(tmp_path, monkeypatch):
 def test_include_merges_the_overlay_over_its_base(tmp_path):
     _write_yaml(tmp_path / "base.yaml", {
         "workdir": "work/base", "seed": 1,
-        "data": {"train": {"source": "a.en", "target": "a.de"}, "max_train_pairs": 100},
+        "data": {**LANGS, "train": {"source": "a.en", "target": "a.de"},
+                 "max_train_pairs": 100},
         "prepare": {"max_chars": 400, "num_shards": 8},
     })
     (tmp_path / "overlays").mkdir()
@@ -176,7 +178,17 @@ def test_the_shipped_configs_load(monkeypatch):
 ])
 def test_invalid_data_sections_are_named(tmp_path, data, message):
     with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, {"data": {**LANGS, **data}})
+
+
+@pytest.mark.parametrize("missing", ["source_lang", "target_lang"])
+def test_the_language_pair_is_required(tmp_path, missing):
+    """No default pair: a config for another pair would label its metrics en/de."""
+    data = {key: value for key, value in BASE["data"].items() if key != missing}
+    with pytest.raises(ConfigError, match=f"data.{missing} is required"):
         _load(tmp_path, {"data": data})
+    with pytest.raises(ConfigError, match="data.source_lang is required"):
+        _load(tmp_path, {"workdir": "work"})  # no data section at all
 
 
 def test_invalid_prepare_section(tmp_path):

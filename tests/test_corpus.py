@@ -284,7 +284,8 @@ def test_relative_and_env_var_locations_are_read(tmp_path, monkeypatch):
 
 
 def _data(**kwargs) -> DataConfig:
-    return DataConfig(train=CorpusConfig(tsv="x.tsv"), **kwargs)
+    return DataConfig(source_lang="en", target_lang="de", train=CorpusConfig(tsv="x.tsv"),
+                      **kwargs)
 
 
 def test_output_splits_and_specs():

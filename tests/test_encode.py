@@ -90,7 +90,7 @@ def test_summarize_lengths():
 def test_encode_config_rejects_buckets_that_cannot_hold_the_longest_pair():
     with pytest.raises(config_lib.ConfigError, match="encode.bucket_boundaries"):
         config_lib.from_dict(config_lib.Config, {
-            "data": {"train": {"tsv": "x.tsv"}},
+            "data": {"source_lang": "en", "target_lang": "de", "train": {"tsv": "x.tsv"}},
             "encode": {"max_source_len": 80, "bucket_boundaries": [16, 32, 64]}})
     with pytest.raises(config_lib.ConfigError, match="strictly increasing"):
         config_lib.EncodeConfig(bucket_boundaries=(32, 16))
@@ -159,7 +159,8 @@ def test_stage_smoke(tmp_path, model_bytes):
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump({
         "workdir": str(tmp_path / "work"),
-        "data": {"train": {"source": "unused.en", "target": "unused.de"}},
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"source": "unused.en", "target": "unused.de"}},
         "encode": {"max_source_len": 9, "max_target_len": 10, "bucket_boundaries": [4, 8, 16],
                    "num_shards": 2},
     }))

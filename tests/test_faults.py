@@ -14,7 +14,8 @@ from flows import cli
 def config_path(tmp_path):
     config = config_lib.from_dict(config_lib.Config, {
         "workdir": str(tmp_path / "work"),
-        "data": {"train": {"source": "a.en", "target": "a.de"}}})
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"source": "a.en", "target": "a.de"}}})
     path = tmp_path / "c.yaml"
     path.write_text(config_lib.dump(config))
     return config, str(path)

@@ -72,7 +72,8 @@ def fake(monkeypatch):
 def fake_config(tmp_path) -> str:
     path = tmp_path / "fake.yaml"
     path.write_text(f"workdir: {tmp_path}/work\n"
-                    "data: {train: {source: unused.en, target: unused.de}}\n")
+                    "data: {source_lang: en, target_lang: de,\n"
+                    "       train: {source: unused.en, target: unused.de}}\n")
     return str(path)
 
 
@@ -253,7 +254,8 @@ def test_a_remote_workdir_keeps_its_cache_records_next_to_its_artifacts(fake, tm
     workdir = f"memory://padir-test-{tmp_path.name}/work"  # any fsspec URL, as gs:// is
     path = tmp_path / "remote.yaml"
     path.write_text(f"workdir: {workdir}\n"
-                    "data: {train: {source: unused.en, target: unused.de}}\n")
+                    "data: {source_lang: en, target_lang: de,\n"
+                    "       train: {source: unused.en, target: unused.de}}\n")
     assert run_flow(str(path)).is_completed()
     fs, records = artifacts.filesystem(artifacts.join(workdir, *pipeline.RESULTS_DIR))
     assert len(fs.ls(records)) == len(dag.STAGES)

@@ -27,7 +27,8 @@ def write_fake_artifact(config, stage):
 def config(tmp_path):
     return config_lib.from_dict(config_lib.Config, {
         "workdir": str(tmp_path / "work"),
-        "data": {"train": {"source": "a.en", "target": "a.de"}}})
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"source": "a.en", "target": "a.de"}}})
 
 
 def test_topological_order_puts_every_stage_after_its_inputs(config):

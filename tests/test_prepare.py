@@ -24,7 +24,9 @@ def _write(path, lines: list[bytes]) -> str:
 
 def _config(tmp_path, data: dict, **sections) -> config_lib.Config:
     return config_lib.from_dict(
-        config_lib.Config, {"workdir": str(tmp_path / "work"), "data": data, **sections})
+        config_lib.Config, {"workdir": str(tmp_path / "work"),
+                            "data": {"source_lang": "en", "target_lang": "de", **data},
+                            **sections})
 
 
 def _pipeline() -> test_pipeline.TestPipeline:
@@ -210,7 +212,8 @@ def test_a_structural_problem_fails_before_anything_is_written(tmp_path, source,
 
 def test_main_reports_bad_input_in_one_line(tmp_path, capsys):
     config_path = tmp_path / "c.yaml"
-    config_path.write_text(f"workdir: {tmp_path / 'work'}\ndata: {{train: {{tsv: nope.tsv}}}}\n")
+    config_path.write_text(f"workdir: {tmp_path / 'work'}\n"
+                           "data: {source_lang: en, target_lang: de, train: {tsv: nope.tsv}}\n")
     assert prepare.main(["--config", str(config_path)]) == 2
     assert capsys.readouterr().err == "prepare: error: data.train: cannot read nope.tsv: " \
                                       "no such file\n"
@@ -252,7 +255,8 @@ def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
     config_path.write_text(yaml.safe_dump({
         "workdir": str(tmp_path / "work"),
         "seed": 7,
-        "data": {"train": {"tsv": str(archive), "member": "deu.txt"},
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"tsv": str(archive), "member": "deu.txt"},
                  "carve_dev_fraction": 0.25, "carve_test_fraction": 0.25,
                  "max_train_pairs": len(lines) - 1},
     }))
