@@ -185,9 +185,10 @@ def write(
         stopped, so that a rerun resumes from what it holds (training checkpoints).
         It is still never read by another stage: it has no manifest and is not at the
         final location.
-      publisher: False on every process of a multi-host run but process 0: it works in the
-        same resumable directory, and takes no lease and publishes nothing (process 0 does
-        both, once all processes passed a barrier inside the body).
+      publisher: False on every process of a multi-host run but process 0: it writes into
+        the same resumable directory (orbax's shards), but takes no lease, creates nothing
+        and publishes nothing; process 0 does, once all processes agreed inside the body
+        that they are done.
 
     Raises:
       LeaseHeldError: another run holds this key's lease (before anything is written).
@@ -197,7 +198,6 @@ def write(
     fs, tmp_path = filesystem(tmp_uri)
     pending = PendingArtifact(stage=stage, key=key, tmp_uri=tmp_uri)
     if not publisher:
-        fs.makedirs(tmp_path, exist_ok=True)
         yield pending
         return
     with lease(workdir, stage, key):

@@ -9,12 +9,19 @@ so no device ever holds the whole unsharded state.
 
 Batches are global: their leading axis ("batch") splits over ("data", "fsdp"). With several
 hosts each process feeds its own contiguous slice of the global batch.
+
+Several processes also have to agree on where a run stands (`agreement`): a failure on one
+of them (a held lease, a missing input) must end all of them, not leave the others waiting
+in a collective that the failed one will never join.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence
+import time
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -27,6 +34,21 @@ MESH_AXES = ("data", "fsdp")
 BATCH = "batch"
 
 LogicalRules = tuple[tuple[str, Any], ...]
+
+
+# A process that stops sending heartbeats (killed, its VM lost) is declared dead after
+# HEARTBEAT_TIMEOUT_S, and every other process then aborts instead of waiting for it. At exit
+# every process waits for the others at most SHUTDOWN_TIMEOUT_S: a run that succeeded gets
+# there together (`agreement`), so only a process that failed alone waits that long.
+HEARTBEAT_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 60
+# How long a process waits at an agreement for the others (a publication that copies the
+# checkpoints on GCS takes minutes); past it, a process that never came is an error.
+AGREEMENT_TIMEOUT_S = 1800
+
+
+class PeerFailedError(RuntimeError):
+    """Another process of a multi-process run failed, or never reached an agreement."""
 
 
 def initialize_distributed(cfg: MeshConfig) -> None:
@@ -42,7 +64,57 @@ def initialize_distributed(cfg: MeshConfig) -> None:
             coordinator_address=cfg.coordinator_address,
             num_processes=cfg.num_processes,
             process_id=cfg.process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
         )
+
+
+_agreements = itertools.count()  # every process opens its agreements in the same order
+
+
+@contextlib.contextmanager
+def agreement(name: str, shared: Sequence[type[Exception]] = (),
+              timeout_s: float = AGREEMENT_TIMEOUT_S) -> Iterator[None]:
+    """Runs the body on every process, then makes every process agree that it succeeded.
+
+    A process whose body raised tells the others (through the coordination service's
+    key-value store, not a device collective, so that waiting can time out) and re-raises;
+    a process whose body succeeded waits for every other's outcome and raises if one
+    failed: an error of a type in `shared` as that type (a held lease is a user error on
+    every process), any other as PeerFailedError naming the process and its error. One
+    process alone is its own agreement.
+
+    Raises:
+      PeerFailedError: another process failed, or did not arrive within `timeout_s`.
+    """
+    if jax.process_count() == 1:
+        yield
+        return
+    from orbax.checkpoint import multihost  # the client of jax.distributed, exposed
+
+    client = multihost.get_jax_distributed_client()
+    prefix = f"padir/agreement/{next(_agreements)}"
+    try:
+        yield
+    except BaseException as e:
+        client.key_value_set(f"{prefix}/{jax.process_index()}",
+                             f"{type(e).__name__}\n{str(e)[:2000]}")
+        raise
+    client.key_value_set(f"{prefix}/{jax.process_index()}", "")
+    deadline = time.monotonic() + timeout_s
+    for process in range(jax.process_count()):
+        try:
+            outcome = client.blocking_key_value_get(
+                f"{prefix}/{process}", max(1, int(1000 * (deadline - time.monotonic()))))
+        except Exception as e:  # noqa: BLE001 - the service's timeout error, kept as cause
+            raise PeerFailedError(
+                f"{name}: process {process} did not get there within {timeout_s:.0f} s") from e
+        if outcome:
+            kind, message = outcome.split("\n", 1)
+            known = {cls.__name__: cls for cls in shared}
+            if kind in known:
+                raise known[kind](f"process {process}: {message}")
+            raise PeerFailedError(f"{name}: process {process} failed: {kind}: {message}")
 
 
 def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int]:

@@ -18,8 +18,9 @@ first; the artifact is published only when training finished or its time budget
 
 With `mesh.distributed: true` every host runs the same command: `jax.distributed.initialize`
 comes first, before anything touches the JAX backend; all processes train and write the
-checkpoints together; process 0 alone takes the lease and publishes, after a barrier that
-every process reaches once its checkpoint writes finished.
+checkpoints together; process 0 alone takes the lease, writes the manifest and publishes.
+The processes agree (`sharding.agreement`) once set up, once trained and once published, so
+that a failure on one (a held lease, a missing input) ends all of them at once.
 
     padir stage teacher configs/multi30k_en_de.yaml
     padir stage train configs/multi30k_en_de.yaml
@@ -27,10 +28,10 @@ every process reaches once its checkpoint writes finished.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import functools
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from components import artifacts, corpus, dag, metrics
 from components import config as config_lib
-from components.tokenizer import MODEL_FILE, Tokenizer
+from components.tokenizer import Tokenizer
 from model import inference, input_pipeline, sharding, train
 from model.models import ARModel, PaDIRModel
 
@@ -48,22 +49,12 @@ TRAIN, DEV = "train", "dev"
 DEV_BEAM_SIZE, DEV_LENGTH_PENALTY = 4, 0.6  # the teacher's final dev evaluation
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainingData:
-    """What the loop reads: resumable train batches, dev batches and their references."""
-
-    batches: train.BatchSource
-    batch_sizes: tuple[int, ...]  # global rows per length bucket (what positions count)
-    dev_batches: list[dict]
-    references: list[str]  # raw dev targets, one per non-padding dev row, in row order
-    detokenize: Callable[[Sequence[int]], str]
-
-
 def load_tokenizer(config: config_lib.Config) -> Tokenizer:
-    return Tokenizer.load(dag.require_input(config, "vocab").path(MODEL_FILE))
+    return Tokenizer.for_artifact(dag.require_input(config, "vocab"))
 
 
-def training_data(config: config_lib.Config, stage: str, tokenizer: Tokenizer) -> TrainingData:
+def training_data(config: config_lib.Config, stage: str,
+                  tokenizer: Tokenizer) -> train.TrainData:
     """The data of training stage `stage` ("teacher" or "train"): bucketed batches of about
     `loop.tokens_per_batch` tokens of its encode artifact, split across processes.
     Reads the JAX backend: `jax.distributed.initialize` must have run."""
@@ -88,8 +79,8 @@ def training_data(config: config_lib.Config, stage: str, tokenizer: Tokenizer) -
     references = [targets[pair_id] for pair_id in dev_ids if pair_id]
     log.info("%s: %d train batches per epoch (rows per bucket %s), %d dev sentences",
              config.workdir, stream.batches_per_epoch, batch_sizes, len(references))
-    return TrainingData(stream.batches, tuple(batch_sizes), dev_batches, references,
-                        tokenizer.decode)
+    return train.TrainData(stream.batches, tuple(batch_sizes), dev_batches=dev_batches,
+                           references=references, detokenize=tokenizer.decode)
 
 
 def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
@@ -102,39 +93,53 @@ def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel
                       label_smoothing=config.train.label_smoothing)
 
 
+# Errors that one process meets and all report as theirs (a user error is one everywhere).
+SHARED_ERRORS = (artifacts.LeaseHeldError, artifacts.IncompleteArtifactError,
+                 artifacts.StageStopped)
+
+
 def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artifact:
     """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact,
-    published by process 0 once every process is done (see the module docstring)."""
+    published by process 0 once every process is done (see the module docstring).
+
+    The processes agree three times: set up (process 0 holds the lease, every input is
+    there), trained (every checkpoint write finished: process 0 may move them), published
+    (nobody returns before the manifest is written). A failure on any process ends them all
+    at the next agreement."""
     sharding.initialize_distributed(config.mesh)  # before anything initialises the backend
     log.info("%s: %s", stage, config_lib.summary(config, dag.STAGES[stage].sections))
     log.debug("%s: resolved config\n%s", stage, config_lib.dump(config))
-    tokenizer = load_tokenizer(config)
-    # Checked before the partial directory exists: a missing input leaves nothing behind.
-    inputs = {name: dag.require_input(config, name).uri for name in dag.inputs(config, stage)}
-    with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
-                         config=dag.section_values(config, stage),
-                         config_yaml=config_lib.dump(config), inputs=inputs,
-                         resumable=True, publisher=jax.process_index() == 0) as pending:
-        data = training_data(config, stage, tokenizer)
-        result = train_fn(pending, data, tokenizer)
-        _barrier(f"{stage}: every process trained and saved")
-        if not result.completed and result.stop_reason != "time budget":
-            raise artifacts.StageStopped(
-                f"{stage} stopped at step {int(result.state.step)} ({result.stop_reason}); "
-                f"run `padir stage {stage}` again to resume from its last checkpoint")
-        pending.counts.update(steps=int(result.state.step), data_position=result.position,
-                              vocab_size=tokenizer.vocab_size)
-        pending.metrics.update(dev=result.dev_metrics or {}, stop_reason=result.stop_reason,
-                               parameters=_count_parameters(result.state.params))
-    _barrier(f"{stage}: published")
+    with sharding.agreement(f"{stage}: published", SHARED_ERRORS), \
+            contextlib.ExitStack() as stack:
+        with sharding.agreement(f"{stage}: set up", SHARED_ERRORS):
+            tokenizer = load_tokenizer(config)
+            # Checked before the partial directory exists: a missing input leaves nothing.
+            inputs = {name: dag.require_input(config, name).uri
+                      for name in dag.inputs(config, stage)}
+            pending = stack.enter_context(artifacts.write(
+                config.workdir, stage, dag.stage_key(config, stage),
+                config=dag.section_values(config, stage), config_yaml=config_lib.dump(config),
+                inputs=inputs, resumable=True, publisher=jax.process_index() == 0))
+            data = training_data(config, stage, tokenizer)
+        with sharding.agreement(f"{stage}: trained", SHARED_ERRORS):
+            result = train_fn(pending, data, tokenizer)
+            _record(stage, result, pending, tokenizer)
     artifact = artifacts.read(dag.output_uri(config, stage))
     log.info("%s: wrote %s %s", stage, artifact.uri, artifact.manifest["metrics"])
     return artifact
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+def _record(stage: str, result: train.TrainResult, pending: artifacts.PendingArtifact,
+            tokenizer: Tokenizer) -> None:
+    """The run's figures in the manifest; a run stopped by SIGTERM publishes nothing."""
+    if not result.completed and result.stop_reason != "time budget":
+        raise artifacts.StageStopped(
+            f"{stage} stopped at step {int(result.state.step)} ({result.stop_reason}); "
+            f"run `padir stage {stage}` again to resume from its last checkpoint")
+    pending.counts.update(steps=int(result.state.step), data_position=result.position,
+                          vocab_size=tokenizer.vocab_size)
+    pending.metrics.update(dev=result.dev_metrics or {}, stop_reason=result.stop_reason,
+                           parameters=_count_parameters(result.state.params))
 
 
 def _count_parameters(params: Any) -> int:
@@ -144,13 +149,11 @@ def _count_parameters(params: Any) -> int:
 def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
     """Trains the AR teacher on the encoded original pairs."""
 
-    def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
+    def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         model = teacher_model(config, tokenizer)
         result = train.train_teacher(
-            model, data.batches, data.dev_batches, config.teacher,
-            config.mesh, batch_sizes=data.batch_sizes, checkpoint_dir=pending.path("checkpoints"),
-            seed=config.seed, log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
-            references=data.references)
+            model, data, config.teacher, config.mesh, checkpoint_dir=pending.path("checkpoints"),
+            seed=config.seed, log_dir=pending.path("tensorboard"))
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = _final_dev_bleu(
                 model, pending.path("checkpoints"), config.teacher.loop.best_metric, data)
@@ -160,7 +163,7 @@ def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
 
 
 def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
-                    data: TrainingData) -> dict[str, Any]:
+                    data: train.TrainData) -> dict[str, Any]:
     """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search.
 
     Every process decodes its slice of the dev rows with the whole parameters on its own
@@ -193,12 +196,10 @@ def run_student(config: config_lib.Config) -> artifacts.Artifact:
     """Trains the PaDIR student (on distilled pairs if `distill.enabled`): phase 1
     single-stage, then phase 2 unrolled."""
 
-    def train_fn(pending, data: TrainingData, tokenizer: Tokenizer):
+    def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         return train.train_student(
-            student_model(config, tokenizer), data.batches, data.dev_batches, config.train,
-            config.mesh, batch_sizes=data.batch_sizes, checkpoint_dir=pending.path("checkpoints"),
-            seed=config.seed,
-            log_dir=pending.path("tensorboard"), detokenize=data.detokenize,
-            references=data.references)
+            student_model(config, tokenizer), data, config.train, config.mesh,
+            checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
+            log_dir=pending.path("tensorboard"))
 
     return _publish(config, "train", train_fn)

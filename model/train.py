@@ -6,12 +6,16 @@ The model is anything with the small interface of model/models.py (`init(rng, ba
 `loss_options` are a run's static loss settings (the student's `num_stages` and
 `remask_stutter`; none for the teacher), given as they are to `model.loss_fn`.
 
+A run is `train(model, data, run, mesh)`: what it reads (`TrainData`), what it is asked to
+do (`RunSpec`: steps, optimizer, cadences, checkpoint directory, seed), and the mesh;
+`train_teacher` and `train_student` build the `RunSpec`s of the two training stages.
+
 Steps are pure module-level functions (`train_step`, `eval_step`) compiled once per batch
 shape with explicit shardings (`jit_*` handles; the state is donated). The per-step RNG is
 `fold_in(state.rng, state.step)`, and checkpoints carry the state, the RNG and the data
 position, so a resumed run continues bit for bit where the interrupted one stopped.
 
-Data contract: `batches(start_position)` returns an iterator of `(position_after, batch)`,
+Data contract (`TrainData`): `batches(start_position)` returns an iterator of `(position_after, batch)`,
 where `batch` is this process's slice of a global batch, a dict of numpy arrays
 `{"source": int32[B, S], "target": int32[B, T]}` (B = global rows / process_count), and
 `position_after` resumes the stream right after that batch. Positions count global batches of
@@ -46,6 +50,7 @@ from components.config import (
     TeacherConfig,
     TrainLoopConfig,
 )
+from components.metrics import corpus_bleu
 from components.tokenizer import EOS_ID, PAD_ID
 from model import checkpoints, sharding
 
@@ -303,8 +308,8 @@ class DevSet:
 
 def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
              batch_sharding: NamedSharding) -> dict[str, float]:
-    """Dev loss and token accuracy (per token), and SacreBLEU of `predict_batch` output
-    when `dev` has references."""
+    """Dev loss and token accuracy (per token), and BLEU (`components.metrics`, the one the
+    reports quote) of `predict_batch` output when `dev` has references."""
     sums: dict[str, float] = {}
     hypotheses: list[str] = []
     detokenize, references = dev.detokenize, dev.references
@@ -322,13 +327,11 @@ def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
                 hypotheses.append(detokenize(ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids))
     metrics = summarize(sums)
     if references is not None:
-        import sacrebleu  # light, but only the evaluating loop needs it
-
         if len(hypotheses) != len(references):
             raise ValueError(
                 f"dev set: {len(hypotheses)} non-padding rows but {len(references)} references"
             )
-        metrics["bleu"] = sacrebleu.corpus_bleu(hypotheses, [list(references)]).score
+        metrics["bleu"] = corpus_bleu(hypotheses, references).score
     return metrics
 
 
@@ -389,42 +392,67 @@ def place(
     )
 
 
-def train(
-    model: Any,
-    batches: BatchSource,
-    dev_batches: Optional[Sequence[Batch]],
-    *,
-    num_steps: int,
-    batch_sizes: Sequence[int],
-    optimizer: OptimizerConfig,
-    loop: TrainLoopConfig,
-    mesh: MeshConfig,
-    checkpoint_dir: str,
-    seed: int,
-    loss_options: Optional[Mapping[str, Any]] = None,
-    init_checkpoint: Optional[str] = None,
-    log_dir: Optional[str] = None,
-    detokenize: Optional[Callable[[Sequence[int]], str]] = None,
-    references: Optional[Sequence[str]] = None,
-    deadline: Optional[float] = None,
-    devices: Optional[Sequence[jax.Device]] = None,
-) -> TrainResult:
-    """Trains `model` to `num_steps` optimizer steps, resuming from `checkpoint_dir`.
+@dataclasses.dataclass(frozen=True)
+class TrainData:
+    """What a run reads (the data contract of the module docstring).
+
+    Attributes:
+      batches: the resumable training stream.
+      batch_sizes: the global rows per bucket of `batches` (what data positions count).
+      dev_batches: dev batches (a re-iterable); None: no evaluation.
+      references: raw dev targets, one per non-padding dev row, in row order; and
+      detokenize: ids of one hypothesis, cut before its first EOS -> text. Both for dev
+        BLEU, or neither.
+    """
+
+    batches: BatchSource
+    batch_sizes: tuple[int, ...]
+    dev_batches: Optional[Sequence[Batch]] = None
+    references: Optional[Sequence[str]] = None
+    detokenize: Optional[Callable[[Sequence[int]], str]] = None
+
+    def __post_init__(self):
+        if (self.references is None) != (self.detokenize is None):
+            raise ValueError("give both references and detokenize, or neither")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run of the loop: how long, how, and where its checkpoints live.
+
+    Attributes:
+      num_steps: the optimizer step to reach (a resumed run counts the restored ones).
+      checkpoint_dir: this run's checkpoints, which a rerun resumes from.
+      seed: of a fresh state (parameters, dropout and noise keys).
+      loss_options: static keyword arguments of `model.loss_fn` (module docstring).
+      init_checkpoint: a finished run's directory to start from (its parameters and data
+        position) when this run has no checkpoint of its own.
+      log_dir: TensorBoard event files (process 0 only); None: none.
+      deadline: a `time.monotonic()` value: past it, the run checkpoints and stops.
+    """
+
+    num_steps: int
+    optimizer: OptimizerConfig
+    loop: TrainLoopConfig
+    checkpoint_dir: str
+    seed: int
+    loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    init_checkpoint: Optional[str] = None
+    log_dir: Optional[str] = None
+    deadline: Optional[float] = None
+
+
+def train(model: Any, data: TrainData, run: RunSpec, mesh: MeshConfig,
+          devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
+    """Trains `model` to `run.num_steps` optimizer steps, resuming from `run.checkpoint_dir`.
 
     Restore order (model/checkpoints.py): this run's own checkpoints, else the latest step of
-    `init_checkpoint` (params and data position), else scratch from `seed`. Every
+    `run.init_checkpoint` (params and data position), else scratch from `run.seed`. Every
     `loop.eval_every` steps (and at the last) the dev set is evaluated and checkpointed with
     its metrics; every `loop.checkpoint_every` steps (and at the last) a checkpoint is saved.
-    SIGTERM, or passing `deadline` (a `time.monotonic()` value), checkpoints the current step
-    and returns early. Only process 0 logs to TensorBoard (`log_dir`) and shows progress.
-
-    Args:
-      batch_sizes: the global rows per bucket of `batches` (what data positions count).
-      loss_options: static keyword arguments of `model.loss_fn` (see the module docstring).
-      dev_batches: dev batches (a re-iterable); None: no evaluation.
-      detokenize, references: for dev BLEU (see `evaluate`); required if
-        `loop.best_metric` is "bleu" and there are dev batches.
-      devices: the devices of the mesh (default: all).
+    SIGTERM, or passing `run.deadline`, checkpoints the current step and returns early.
+    Only process 0 logs to TensorBoard and shows progress. `devices`: of the mesh
+    (default: all).
 
     Raises:
       NonFiniteLossError: the loss became NaN or infinite (the message names the step).
@@ -432,48 +460,34 @@ def train(
         (none readable, another state structure, other batch sizes, failing storage).
     """
     sharding.initialize_distributed(mesh)
-    if dev_batches is not None and loop.best_metric == "bleu" and references is None:
+    if data.dev_batches is not None and run.loop.best_metric == "bleu" and data.references is None:
         raise ValueError("loop.best_metric is 'bleu': give references and detokenize for dev BLEU")
-    if (references is None) != (detokenize is None):
-        raise ValueError("give both references and detokenize, or neither")
-    tx, schedule = make_optimizer(optimizer, num_steps)
+    tx, schedule = make_optimizer(run.optimizer, run.num_steps)
     placement = place(model, tx, mesh, devices)
-    for i, batch in enumerate(dev_batches or ()):
-        local_rows = len(batch["source"])
-        sharding.check_batch_size(
-            local_rows * jax.process_count(), placement.batch_sharding, f"dev batch {i}"
-        )
+    for i, batch in enumerate(data.dev_batches or ()):
+        sharding.check_batch_size(len(batch["source"]) * jax.process_count(),
+                                  placement.batch_sharding, f"dev batch {i}")
     manager = checkpoints.open_manager(
-        checkpoint_dir,
-        keep=loop.keep_checkpoints,
-        best_metric=loop.best_metric if dev_batches is not None else None,
-    )
+        run.checkpoint_dir, keep=run.loop.keep_checkpoints,
+        best_metric=run.loop.best_metric if data.dev_batches is not None else None)
     # SIGTERM from here on is deferred to the next step boundary (even during compilation).
     with checkpoints.StopSignal() as stop_signal:
         try:
-            state, position = _restore_or_init(
-                manager, placement, init_checkpoint, seed, batch_sizes)
-            eval_rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)  # no step's key
+            state, position = _restore_or_init(manager, placement, run, data.batch_sizes)
             context = RunContext(
+                run=run, data=data, dev=_dev_set(data, state),
                 steps=compile_steps(model, tx, placement.state_shardings,
-                                    placement.batch_sharding, **(loss_options or {})),
-                batch_sharding=placement.batch_sharding, batches=batches,
-                batch_sizes=batch_sizes, num_steps=num_steps, loop=loop,
-                schedule=schedule, manager=manager, stop_signal=stop_signal,
-                deadline=deadline, is_main=jax.process_index() == 0, log_dir=log_dir,
-                dev=None if dev_batches is None else DevSet(
-                    dev_batches, eval_rng, detokenize=detokenize, references=references),
-            )
+                                    placement.batch_sharding, **run.loss_options),
+                batch_sharding=placement.batch_sharding, schedule=schedule, manager=manager,
+                stop_signal=stop_signal, is_main=jax.process_index() == 0)
             return _run(context, state, position)
         finally:
             manager.wait_until_finished()
             manager.close()
 
 
-def _restore_or_init(
-    manager, placement: Placement, init_checkpoint: Optional[str], seed: int,
-    batch_sizes: Sequence[int],
-) -> tuple[TrainState, int]:
+def _restore_or_init(manager, placement: Placement, run: RunSpec,
+                     batch_sizes: Sequence[int]) -> tuple[TrainState, int]:
     """The restore order of model/checkpoints.py: own checkpoints, init checkpoint, scratch."""
     restored = checkpoints.restore_latest(manager, placement.abstract_state)
     if restored is not None:
@@ -481,34 +495,39 @@ def _restore_or_init(
         position = restored.position.resume_at(batch_sizes, where)
         log.info("resuming from %s", where)
         return restored.state, position
-    state = placement.create_state(seed)
-    if init_checkpoint is None:
+    state = placement.create_state(run.seed)
+    if run.init_checkpoint is None:
         log.info("training from scratch")
         return state, 0
     params, saved_position, step = checkpoints.restore_params(
-        init_checkpoint, placement.abstract_state.params
+        run.init_checkpoint, placement.abstract_state.params
     )
-    position = saved_position.resume_at(batch_sizes, f"step {step} of {init_checkpoint}")
-    log.info("initialised from step %d of %s (data position %d)", step, init_checkpoint, position)
+    position = saved_position.resume_at(batch_sizes, f"step {step} of {run.init_checkpoint}")
+    log.info("initialised from step %d of %s (data position %d)",
+             step, run.init_checkpoint, position)
     return state.replace(params=params), position
+
+
+def _dev_set(data: TrainData, state: TrainState) -> Optional[DevSet]:
+    """What evaluations read, with a noise key that no step uses."""
+    if data.dev_batches is None:
+        return None
+    rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)
+    return DevSet(data.dev_batches, rng, detokenize=data.detokenize, references=data.references)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunContext:
     """What the loop of one run reads and never changes (`train` builds it)."""
 
+    run: RunSpec  # num_steps, the loop's cadences, log_dir, deadline
+    data: TrainData
     steps: CompiledSteps
     batch_sharding: NamedSharding
-    batches: BatchSource
-    batch_sizes: Sequence[int]
-    num_steps: int
-    loop: TrainLoopConfig  # the cadences: log_every, eval_every, checkpoint_every
     schedule: optax.Schedule
     manager: Any  # checkpoints.open_manager's
     stop_signal: checkpoints.StopSignal
-    deadline: Optional[float]  # time.monotonic() value of the time budget's end
     is_main: bool  # process 0: logs to TensorBoard and shows progress
-    log_dir: Optional[str]
     dev: Optional[DevSet]  # None: no evaluation
 
 
@@ -518,8 +537,8 @@ class _Monitor:
 
     def __init__(self, context: RunContext, step: int):
         self.context = context
-        self.writer = _summary_writer(context.log_dir) if context.is_main else None
-        self.bar = _progress_bar(step, context.num_steps, disable=not context.is_main)
+        self.writer = _summary_writer(context.run.log_dir) if context.is_main else None
+        self.bar = _progress_bar(step, context.run.num_steps, disable=not context.is_main)
         self.accumulator = _Accumulator()
         self.interval_start, self.interval_tokens = time.monotonic(), 0
 
@@ -537,7 +556,7 @@ class _Monitor:
         _write(self.writer, "train", summary, step)
         postfix = {"loss": f"{summary.get('loss', summary['objective']):.3f}",
                    "tok_s": f"{summary['target_tokens_per_s']:.0f}"}
-        deadline = self.context.deadline
+        deadline = self.context.run.deadline
         if deadline is not None:  # the bar's ETA counts all steps; a budget ends sooner
             postfix["budget_left"] = f"{max(0.0, deadline - time.monotonic()) / 60:.1f}min"
         self.bar.set_postfix(postfix)
@@ -558,16 +577,16 @@ class _Monitor:
 def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
     """Steps to `num_steps`; after each, at their cadences: logging, the stop agreement,
     evaluation and a checkpoint. A stop (SIGTERM, the time budget) checkpoints and returns."""
-    loop = ctx.loop
+    run, loop = ctx.run, ctx.run.loop
     step = last_saved = int(state.step)
     dev_metrics = stop_reason = None
-    if step >= ctx.num_steps:  # e.g. killed during publication: the last evaluation stands
-        log.info("already trained: step %d of %d", step, ctx.num_steps)
+    if step >= run.num_steps:  # e.g. killed during publication: the last evaluation stands
+        log.info("already trained: step %d of %d", step, run.num_steps)
         return TrainResult(state, position, True, None, ctx.manager.metrics(step))
     monitor = _Monitor(ctx, step)
-    stream = ctx.batches(position)
+    stream = ctx.data.batches(position)
     try:
-        while step < ctx.num_steps:
+        while step < run.num_steps:
             try:
                 next_position, batch = next(stream)
             except StopIteration:
@@ -576,7 +595,7 @@ def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
             state, metrics = ctx.steps.train(state, batch_on_devices)
             step, position = step + 1, next_position
             monitor.record(step, metrics, batch)
-            logged = every(step, loop.log_every, ctx.num_steps)
+            logged = every(step, loop.log_every, run.num_steps)
             if logged:
                 monitor.log(step)
             stop = _stop_agreed(ctx, logged)
@@ -586,29 +605,29 @@ def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
                 started = time.monotonic()
                 dev_metrics = evaluate(ctx.steps, state.params, ctx.dev, ctx.batch_sharding)
                 monitor.log_dev(step, dev_metrics, time.monotonic() - started)
-            if evaluated or stop or every(step, loop.checkpoint_every, ctx.num_steps):
+            if evaluated or stop or every(step, loop.checkpoint_every, run.num_steps):
                 monitor.accumulator.flush()
                 checkpoints.save(
-                    ctx.manager, state, position=position, batch_sizes=ctx.batch_sizes,
+                    ctx.manager, state, position=position, batch_sizes=ctx.data.batch_sizes,
                     metrics=_checkpoint_metrics(dev_metrics) if evaluated else None,
                 )
                 last_saved = step
             if stop:
                 stop_reason = "SIGTERM" if ctx.stop_signal.received is not None else "time budget"
                 log.warning("stopping at step %d of %d (%s); checkpoint saved",
-                            step, ctx.num_steps, stop_reason)
+                            step, run.num_steps, stop_reason)
                 break
         monitor.accumulator.flush()
     finally:
         monitor.close()
     assert last_saved == step, (last_saved, step)
-    return TrainResult(state, position, step >= ctx.num_steps, stop_reason, dev_metrics)
+    return TrainResult(state, position, step >= run.num_steps, stop_reason, dev_metrics)
 
 
 def _stop_agreed(ctx: RunContext, logged: bool) -> bool:
     """Whether to stop after this step: SIGTERM or past the deadline, in any process."""
     stop = ctx.stop_signal.received is not None or (
-        ctx.deadline is not None and time.monotonic() > ctx.deadline
+        ctx.run.deadline is not None and time.monotonic() > ctx.run.deadline
     )
     if jax.process_count() > 1:
         # Processes must stop at the same step; agreeing costs a host round trip, so they
@@ -621,7 +640,7 @@ def _evaluation_due(ctx: RunContext, step: int, stop: bool) -> bool:
     """At the eval cadence; and when the time budget stops the run, so that the best
     checkpoint is known (SIGTERM, a preemption, saves at once without evaluating)."""
     return ctx.dev is not None and (
-        every(step, ctx.loop.eval_every, ctx.num_steps)
+        every(step, ctx.run.loop.eval_every, ctx.run.num_steps)
         or (stop and ctx.stop_signal.received is None)
     )
 
@@ -671,47 +690,21 @@ def _deadline(loop: TrainLoopConfig) -> Optional[float]:
     return None if loop.max_minutes is None else time.monotonic() + 60.0 * loop.max_minutes
 
 
-def train_teacher(
-    model: Any,
-    batches: BatchSource,
-    dev_batches: Optional[Sequence[Batch]],
-    cfg: TeacherConfig,
-    mesh: MeshConfig,
-    *,
-    batch_sizes: Sequence[int],
-    checkpoint_dir: str,
-    seed: int,
-    log_dir: Optional[str] = None,
-    detokenize=None,
-    references=None,
-) -> TrainResult:
+def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshConfig, *,
+                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None) -> TrainResult:
     """The AR teacher: one run of `cfg.steps` single-stage steps.
 
     Label smoothing (`cfg.label_smoothing`) is part of the teacher's loss: the caller builds
     `model` with it; the engine only optimises what `model.loss_fn` returns.
     """
-    return train(
-        model, batches, dev_batches,
-        num_steps=cfg.steps, batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop,
-        mesh=mesh, checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
-        detokenize=detokenize, references=references, deadline=_deadline(cfg.loop),
-    )
+    run = RunSpec(num_steps=cfg.steps, optimizer=cfg.optimizer, loop=cfg.loop,
+                  checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
+                  deadline=_deadline(cfg.loop))
+    return train(model, data, run, mesh)
 
 
-def train_student(
-    model: Any,
-    batches: BatchSource,
-    dev_batches: Optional[Sequence[Batch]],
-    cfg: StudentConfig,
-    mesh: MeshConfig,
-    *,
-    batch_sizes: Sequence[int],
-    checkpoint_dir: str,
-    seed: int,
-    log_dir: Optional[str] = None,
-    detokenize=None,
-    references=None,
-) -> TrainResult:
+def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshConfig, *,
+                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None) -> TrainResult:
     """The PaDIR student: phase 1 (single-stage loss), then phase 2 (`cfg.num_stages`
     unrolled stages) initialised from phase 1's last step, in `<checkpoint_dir>/phase{1,2}`.
 
@@ -720,22 +713,17 @@ def train_student(
     budgets both phases together. As for the teacher, the caller builds `model` with
     `cfg.label_smoothing`.
     """
-    deadline = _deadline(cfg.loop)
-    common = dict(
-        batch_sizes=batch_sizes, optimizer=cfg.optimizer, loop=cfg.loop, mesh=mesh,
-        detokenize=detokenize, references=references, deadline=deadline,
-    )
-    phase1_dir = f"{checkpoint_dir.rstrip('/')}/phase1"
-    result = train(
-        model, batches, dev_batches, num_steps=cfg.phase1_steps, checkpoint_dir=phase1_dir,
-        seed=seed, loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
-        **common,
-    )
+    phase1 = RunSpec(
+        num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
+        checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
+        loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
+        deadline=_deadline(cfg.loop))
+    result = train(model, data, phase1, mesh)
     if not result.completed or cfg.phase2_steps == 0:
         return result
-    return train(
-        model, batches, dev_batches, num_steps=cfg.phase2_steps,
-        checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2", seed=seed + 1,
+    phase2 = dataclasses.replace(
+        phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
+        seed=seed + 1, init_checkpoint=phase1.checkpoint_dir,
         loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter),
-        init_checkpoint=phase1_dir, log_dir=log_dir and f"{log_dir}/phase2", **common,
-    )
+        log_dir=log_dir and f"{log_dir}/phase2")
+    return train(model, data, phase2, mesh)

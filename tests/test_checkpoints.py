@@ -120,10 +120,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrup
 
     with caplog.at_level(logging.INFO, logger="model"):
         result = train.train(
-            toy.ToyModel(), toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE), None,
-            num_steps=STEPS, batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=toy.LOOP,
-            mesh=MeshConfig(),
-            checkpoint_dir=str(workdir), seed=0,
+            toy.ToyModel(), toy.data(toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE)),
+            toy.run_spec(workdir, STEPS), MeshConfig(),
         )
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any(f"checkpoint at step {STEPS}" in m and "corrupted" in m for m in errors), errors
@@ -201,10 +199,9 @@ from model import checkpoints, train
 
 assert jax.device_count() == 8
 tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
-loop = toy.LOOP
 batches = toy.make_batches(seed=0, batch_size=toy.BATCH_SIZE)
-saved = train.train(toy.ToyModel(), batches, None, num_steps=5, batch_sizes=toy.BATCH_SIZES,
-                    optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(data=4, fsdp=2), checkpoint_dir={dir!r}, seed=0)
+saved = train.train(toy.ToyModel(), toy.data(batches), toy.run_spec({dir!r}, 5),
+                    MeshConfig(data=4, fsdp=2))
 embed = saved.state.params["embed"]
 assert embed.sharding.spec == P("fsdp", None), embed.sharding.spec  # vocab over fsdp
 want = jax.tree.map(np.asarray, saved.state)
@@ -224,8 +221,8 @@ for mesh, devices in [(MeshConfig(data=8, fsdp=1), None),
     print("RESTORED", dict(placement.mesh.shape), restored.state.params["embed"].sharding.spec)
 
 # and training continues on the new mesh
-more = train.train(toy.ToyModel(), batches, None, num_steps=8, batch_sizes=toy.BATCH_SIZES,
-                   optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(data=8, fsdp=1), checkpoint_dir={dir!r}, seed=0)
+more = train.train(toy.ToyModel(), toy.data(batches), toy.run_spec({dir!r}, 8),
+                   MeshConfig(data=8, fsdp=1))
 assert int(more.state.step) == 8
 print("OK")
 """
@@ -313,9 +310,8 @@ def test_resume_under_other_batch_sizes_is_refused(tmp_path, uninterrupted):
                        match=r"position 20 counts global batches of \[8\] rows per bucket "
                              r"\(1 processes\), this run batches \[16\] rows"):
         train.train(
-            toy.ToyModel(), toy.make_batches(seed=0, batch_size=16), None, num_steps=STEPS + 5,
-            batch_sizes=(16,), optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
-            checkpoint_dir=str(tmp_path / "run"), seed=0,
+            toy.ToyModel(), toy.data(toy.make_batches(seed=0, batch_size=16), (16,)),
+            toy.run_spec(tmp_path / "run", STEPS + 5), MeshConfig(),
         )
 
 

@@ -91,9 +91,10 @@ def test_nan_loss_fails_fast_naming_the_step(tmp_path):
 
     with pytest.raises(train.NonFiniteLossError, match="at step 4"):
         train.train(
-            NaNModel(), batches, None, num_steps=20, batch_sizes=toy.BATCH_SIZES,
-            optimizer=toy.OPTIMIZER, loop=dataclasses.replace(toy.LOOP, checkpoint_every=3), mesh=MeshConfig(),
-            checkpoint_dir=str(tmp_path / "ckpt"), seed=0,
+            NaNModel(), toy.data(batches),
+            toy.run_spec(tmp_path / "ckpt", 20,
+                         loop=dataclasses.replace(toy.LOOP, checkpoint_every=3)),
+            MeshConfig(),
         )
     # The step-3 checkpoint was written before the NaN; nothing after it.
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == ["3"]
@@ -123,10 +124,11 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
                            keep_checkpoints=1, best_metric="bleu")
     def run():
         return train.train(
-            toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), dev, num_steps=7,
-            batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=loop, mesh=MeshConfig(),
-            checkpoint_dir=str(tmp_path / "ckpt"), seed=0, log_dir=str(tmp_path / "tb"),
-            detokenize=_detokenize, references=references,
+            toy.ToyModel(),
+            toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
+                     detokenize=_detokenize, references=references),
+            toy.run_spec(tmp_path / "ckpt", 7, loop=loop, log_dir=str(tmp_path / "tb")),
+            MeshConfig(),
         )
 
     result = run()
@@ -147,9 +149,8 @@ def test_dev_evaluation_bleu_tensorboard_and_best_checkpoint(tmp_path):
 
 def test_time_budget_checkpoints_and_stops(tmp_path):
     result = train.train(
-        toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), None, num_steps=50,
-        batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER, loop=toy.LOOP, mesh=MeshConfig(),
-        checkpoint_dir=str(tmp_path / "ckpt"), seed=0, deadline=time.monotonic(),
+        toy.ToyModel(), toy.data(toy.make_batches(seed=0, batch_size=8)),
+        toy.run_spec(tmp_path / "ckpt", 50, deadline=time.monotonic()), MeshConfig(),
     )
     assert not result.completed and result.stop_reason == "time budget"
     assert int(result.state.step) == 1 and result.position == 1
@@ -159,11 +160,14 @@ def test_time_budget_checkpoints_and_stops(tmp_path):
 def test_bleu_needs_references():
     with pytest.raises(ValueError, match="references"):
         train.train(
-            toy.ToyModel(), toy.make_batches(seed=0, batch_size=8), toy.dev_batches(),
-            num_steps=1, batch_sizes=toy.BATCH_SIZES, optimizer=toy.OPTIMIZER,
-            loop=dataclasses.replace(toy.LOOP, best_metric="bleu"), mesh=MeshConfig(),
-            checkpoint_dir="/nonexistent", seed=0,
+            toy.ToyModel(), toy.data(toy.make_batches(seed=0, batch_size=8),
+                                     dev_batches=toy.dev_batches()),
+            toy.run_spec("/nonexistent", 1,
+                         loop=dataclasses.replace(toy.LOOP, best_metric="bleu")),
+            MeshConfig(),
         )
+    with pytest.raises(ValueError, match="both references and detokenize"):
+        toy.data(toy.make_batches(seed=0, batch_size=8), references=["a"])
 
 
 # --- the real models ----------------------------------------------------------------------
@@ -182,9 +186,9 @@ def test_teacher_trains_with_the_real_ar_model(tmp_path):
     dev = toy.dev_batches()
     result = train.train_teacher(
         ARModel(cfg.model, toy.VOCAB, label_smoothing=cfg.label_smoothing),
-        toy.make_batches(seed=0, batch_size=8), dev, cfg, MeshConfig(),
-        batch_sizes=toy.BATCH_SIZES, checkpoint_dir=str(tmp_path / "teacher"), seed=0,
-        detokenize=_detokenize, references=_references(dev),
+        toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
+                 detokenize=_detokenize, references=_references(dev)),
+        cfg, MeshConfig(), checkpoint_dir=str(tmp_path / "teacher"), seed=0,
     )
     assert result.completed and int(result.state.step) == 3
     assert np.isfinite(result.dev_metrics["loss"]) and "bleu" in result.dev_metrics
@@ -198,8 +202,8 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
     model = PaDIRModel(cfg.model, toy.VOCAB, first_real_id=6,
                        label_smoothing=cfg.label_smoothing)
     result = train.train_student(
-        model, toy.make_batches(seed=0, batch_size=8), toy.dev_batches(), cfg, MeshConfig(),
-        batch_sizes=toy.BATCH_SIZES, checkpoint_dir=str(tmp_path / "student"), seed=0,
+        model, toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=toy.dev_batches()),
+        cfg, MeshConfig(), checkpoint_dir=str(tmp_path / "student"), seed=0,
     )
     assert result.completed and int(result.state.step) == 2
     # phase 2 continued phase 1's data stream: positions 3, 4 after phase 1's 1, 2

@@ -7,9 +7,6 @@ batch at position p depends only on (seed, p), so resumption is exact by constru
 
 Run as a script it trains in a fresh interpreter (the kill/resume and SIGTERM tests):
     python tests/toy_training.py --workdir DIR --steps 30 [--sleep 0.05] [--out params.npz]
-and as one of several JAX processes (tests/test_multiprocess.py), each feeding its slice:
-    python tests/toy_training.py --workdir DIR --coordinator 127.0.0.1:PORT \
-        --num-processes 2 --process-id 0
 """
 
 from __future__ import annotations
@@ -153,20 +150,6 @@ def make_batches(seed: int, batch_size: int, sleep: float = 0.0):
     return batches
 
 
-def process_slice(batches):
-    """`batches` of global rows, each cut to this process's equal share (the data contract
-    of model/train.py with several processes). JAX is asked only once batches are drawn,
-    after `jax.distributed.initialize`."""
-
-    def sliced(start: int):
-        index, count = jax.process_index(), jax.process_count()
-        for position, batch in batches(start):
-            rows = len(batch["source"]) // count
-            yield position, {k: v[index * rows:(index + 1) * rows] for k, v in batch.items()}
-
-    return sliced
-
-
 def with_progress(batches, path: str):
     """`batches`, writing each position it hands out to `path` (tests poll it)."""
 
@@ -199,6 +182,22 @@ LOOP = TrainLoopConfig(
 OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=3)
 
 
+def data(batches, batch_sizes=BATCH_SIZES, **dev):
+    """A `train.TrainData` over `batches` (`dev`: its dev fields)."""
+    from model import train
+
+    return train.TrainData(batches, tuple(batch_sizes), **dev)
+
+
+def run_spec(checkpoint_dir, num_steps: int, **changes):
+    """A `train.RunSpec` with the toy's optimizer, loop and seed 0, `changes` applied."""
+    from model import train
+
+    spec = train.RunSpec(num_steps=num_steps, optimizer=OPTIMIZER, loop=LOOP,
+                         checkpoint_dir=str(checkpoint_dir), seed=0)
+    return dataclasses.replace(spec, **changes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
@@ -207,36 +206,25 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--progress-file", default=None)
-    parser.add_argument("--coordinator", default=None, help="host:port of process 0")
-    parser.add_argument("--num-processes", type=int, default=None)
-    parser.add_argument("--process-id", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
 
     from model import train
 
-    batches = process_slice(make_batches(seed=0, batch_size=BATCH_SIZE, sleep=args.sleep))
+    batches = make_batches(seed=0, batch_size=BATCH_SIZE, sleep=args.sleep)
     if args.progress_file:
         batches = with_progress(batches, args.progress_file)
     result = train.train(
-        ToyModel(), batches, None,
-        num_steps=args.steps, batch_sizes=BATCH_SIZES, optimizer=OPTIMIZER,
-        loop=dataclasses.replace(LOOP, checkpoint_every=args.checkpoint_every),
-        mesh=MeshConfig(distributed=args.coordinator is not None,
-                        coordinator_address=args.coordinator, num_processes=args.num_processes,
-                        process_id=args.process_id),
-        checkpoint_dir=os.path.join(args.workdir, "checkpoints"), seed=0,
+        ToyModel(), data(batches),
+        run_spec(os.path.join(args.workdir, "checkpoints"), args.steps,
+                 loop=dataclasses.replace(LOOP, checkpoint_every=args.checkpoint_every)),
+        MeshConfig(),
     )
     print(f"RESULT step={int(result.state.step)} completed={result.completed} "
           f"stop_reason={result.stop_reason}", flush=True)
-    params = result.state.params
-    if jax.process_count() > 1:  # arrays spanning processes: every process gathers them
-        from jax.experimental import multihost_utils
-
-        params = multihost_utils.process_allgather(params, tiled=True)
-    if args.out and jax.process_index() == 0:
-        np.savez(args.out, **flat_params(params))
+    if args.out:
+        np.savez(args.out, **flat_params(result.state.params))
     return 0
 
 
