@@ -27,7 +27,7 @@ from components import config as config_lib
 from model import sharding
 from tiny_experiment import ensure, tiny_config
 
-pytestmark = pytest.mark.slow  # about 5 minutes: four teacher runs of 12 steps
+pytestmark = pytest.mark.slow  # 2 to 5 minutes on 2 cores: five launches of the teacher stage
 
 PADIR = os.path.join(os.path.dirname(sys.executable), "padir")
 STEPS = 12
