@@ -41,6 +41,8 @@ ARMS = {
                         "teacher.model.dropout_rate=0.3"],
     "tiny_smoothing0": [TINY, COSINE, "teacher.optimizer.learning_rate=2.0e-3",
                         "teacher.label_smoothing=0.0"],
+    "tiny_ema": [TINY, COSINE, "teacher.optimizer.learning_rate=2.0e-3",
+                 "teacher.optimizer.ema_decay=0.999"],
 }
 
 

@@ -244,7 +244,10 @@ class ModelConfig:
 class OptimizerConfig:
     """AdamW: linear warmup to `learning_rate`, then rsqrt or cosine decay; global-norm clipping.
 
-    Weight decay applies to matrices only (never to norm scales or biases).
+    Weight decay applies to matrices only (never to norm scales or biases). With `ema_decay`,
+    an exponential moving average of the parameters is what the run evaluates, selects its
+    best checkpoint by and publishes (the averaging of the last checkpoints that small-data
+    recipes use, kept continuously); the raw parameters only train on.
     """
 
     learning_rate: float = 5e-4  # peak, reached at the end of warmup
@@ -254,10 +257,13 @@ class OptimizerConfig:
     b2: float = 0.98
     weight_decay: float = 0.01
     clip_norm: float = 1.0  # global gradient norm
+    ema_decay: Optional[float] = None  # e.g. 0.999; None: evaluate the raw parameters
 
     def __post_init__(self):
         if self.learning_rate <= 0 or self.warmup_steps < 0 or self.clip_norm <= 0:
             raise ConfigError("optimizer: learning_rate and clip_norm must be > 0, warmup_steps >= 0")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ConfigError(f"optimizer.ema_decay must lie in (0, 1), got {self.ema_decay}")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1) or self.weight_decay < 0:
             raise ConfigError("optimizer: b1, b2 must lie in [0, 1) and weight_decay >= 0")
 

@@ -1,8 +1,9 @@
 """Checkpoints of training runs: the one module that reads and writes them (orbax).
 
 Layout, one directory per run (`<dir>/<step>/`), three items per step:
-  params/  the model parameters (StandardSave; all the decode stages need),
-  train/   step, optimizer state and the base RNG key (StandardSave),
+  params/  the parameters readers use (StandardSave; all the decode stages need): the
+           moving average when the run keeps one (`optimizer.ema_decay`),
+  train/   step, optimizer state, the base RNG key, and then the raw parameters (StandardSave),
   data/    JSON: step, data position after this step, and a fingerprint of the arrays.
 Saving is asynchronous (the arrays are copied off the devices before `save` returns, so the
 next, donating train step is safe). Retention: the latest `keep` steps plus the single best
@@ -134,7 +135,21 @@ def _fingerprint(leaves: list[jax.Array]) -> jax.Array:
 
 
 def _split(state: Any) -> tuple[Any, dict[str, Any]]:
-    return state.params, {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+    """(what a reader restores, what only a resumed run needs). A run that keeps a moving
+    average of its parameters gives readers the average; its raw parameters train on."""
+    train = {"step": state.step, "opt_state": state.opt_state, "rng": state.rng}
+    if state.ema_params is None:
+        return state.params, train
+    return state.ema_params, dict(train, params=state.params)
+
+
+def _join(abstract_state: Any, params: Any, train: dict[str, Any]) -> Any:
+    """The TrainState that `_split` took apart."""
+    state = abstract_state.replace(step=train["step"], opt_state=train["opt_state"],
+                                   rng=train["rng"])
+    if abstract_state.ema_params is None:
+        return state.replace(params=params)
+    return state.replace(params=train["params"], ema_params=params)
 
 
 def structure(tree: Any) -> dict[str, Any]:
@@ -278,12 +293,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: Any) -> Optio
             continue
         for bad in corrupt:
             _quarantine(manager, bad)
-        state = abstract_state.replace(
-            step=restored[TRAIN]["step"],
-            params=restored[PARAMS],
-            opt_state=restored[TRAIN]["opt_state"],
-            rng=restored[TRAIN]["rng"],
-        )
+        state = _join(abstract_state, restored[PARAMS], restored[TRAIN])
         return Restored(state=state, position=Position.from_data(data), step=step)
     if corrupt:
         raise CheckpointError(

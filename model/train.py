@@ -77,6 +77,12 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32[2] raw key (plain array: checkpoints as is)
+    ema_params: Any = None  # the parameters' moving average (optimizer.ema_decay), else None
+
+    @property
+    def eval_params(self) -> Any:
+        """What is evaluated, checkpointed for readers and published: the average if kept."""
+        return self.params if self.ema_params is None else self.ema_params
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -115,14 +121,26 @@ def make_optimizer(
     return tx, schedule
 
 
-def init_state(rng: jax.Array, batch: Batch, *, model: Any, tx: optax.GradientTransformation):
-    """A fresh TrainState whose params, and the optimizer moments that mirror them, are boxed
-    with the model's logical axis names (`sharding.init_sharded` lays them out and unboxes)."""
+def init_state(rng: jax.Array, batch: Batch, *, model: Any, tx: optax.GradientTransformation,
+               ema: bool = False):
+    """A fresh TrainState whose params, and the optimizer moments and average that mirror
+    them, are boxed with the model's logical axis names (`sharding.init_sharded` lays them
+    out and unboxes). `ema`: keep a moving average of the parameters, starting at them."""
     init_rng, train_rng = jax.random.split(rng)
     params = sharding.box(model.init(init_rng, batch), model.logical_axes(batch))
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=train_rng
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=train_rng,
+        ema_params=params if ema else None,
     )
+
+
+def update_average(average: Any, params: Any, step: jax.Array, decay: float) -> Any:
+    """One step of the parameters' exponential moving average. The decay ramps up as
+    (1 + step) / (10 + step) to `decay`, so that early steps, far from where training ends,
+    are forgotten fast (the warm start of TensorFlow's ExponentialMovingAverage)."""
+    step = step.astype(jnp.float32)
+    rate = jnp.minimum(decay, (1.0 + step) / (10.0 + step))
+    return jax.tree.map(lambda a, p: rate * a + (1.0 - rate) * p, average, params)
 
 
 def example_batch(model: Any) -> dict[str, jax.Array]:
@@ -143,10 +161,12 @@ def train_step(
     *,
     model: Any,
     tx: optax.GradientTransformation,
+    ema_decay: Optional[float] = None,
     **loss_options: Any,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update. Returns the new state and the step's metric sums (plus the
-    loss it optimised, `objective`, and the gradient norm before clipping)."""
+    """One optimizer update (and of the parameters' average, if the state keeps one).
+    Returns the new state and the step's metric sums (plus the loss it optimised,
+    `objective`, and the gradient norm before clipping)."""
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params):
@@ -157,6 +177,9 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, objective=loss, grad_norm=optax.tree.norm(grads))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    if state.ema_params is not None:
+        new_state = new_state.replace(
+            ema_params=update_average(state.ema_params, params, state.step, ema_decay))
     return new_state, metrics
 
 
@@ -188,6 +211,7 @@ def compile_steps(
     tx: optax.GradientTransformation,
     state_shardings: TrainState,
     batch_sharding: NamedSharding,
+    ema_decay: Optional[float] = None,
     **loss_options: Any,
 ) -> CompiledSteps:
     """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` with explicit
@@ -195,7 +219,7 @@ def compile_steps(
     Each compiles once per distinct batch shape (one per length bucket)."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     jit_train_step = jax.jit(
-        functools.partial(train_step, model=model, tx=tx, **loss_options),
+        functools.partial(train_step, model=model, tx=tx, ema_decay=ema_decay, **loss_options),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
@@ -371,12 +395,14 @@ def place(
     tx: optax.GradientTransformation,
     mesh: MeshConfig,
     devices: Optional[Sequence[jax.Device]] = None,
+    ema: bool = False,
 ) -> Placement:
     """The mesh from `mesh` over `devices` (default: all), and the state's layout on it,
-    derived by shape only."""
+    derived by shape only. `ema`: the state keeps a moving average of the parameters."""
     device_mesh = sharding.make_mesh(mesh, devices)
     rules = sharding.flax_rules(mesh)
-    init = functools.partial(init_state, batch=example_batch(model), model=model, tx=tx)
+    init = functools.partial(init_state, batch=example_batch(model), model=model, tx=tx,
+                             ema=ema)
     # No mesh context (`jax.set_mesh`): placement is explicit at the jit boundaries, and a
     # global mesh would make Linen apply the boxes' logical names as constraints inside
     # init, where DenseGeneral unboxes a kernel flattened to another rank than its names.
@@ -463,7 +489,7 @@ def train(model: Any, data: TrainData, run: RunSpec, mesh: MeshConfig,
     if data.dev_batches is not None and run.loop.best_metric == "bleu" and data.references is None:
         raise ValueError("loop.best_metric is 'bleu': give references and detokenize for dev BLEU")
     tx, schedule = make_optimizer(run.optimizer, run.num_steps)
-    placement = place(model, tx, mesh, devices)
+    placement = place(model, tx, mesh, devices, ema=run.optimizer.ema_decay is not None)
     for i, batch in enumerate(data.dev_batches or ()):
         sharding.check_batch_size(len(batch["source"]) * jax.process_count(),
                                   placement.batch_sharding, f"dev batch {i}")
@@ -477,7 +503,8 @@ def train(model: Any, data: TrainData, run: RunSpec, mesh: MeshConfig,
             context = RunContext(
                 run=run, data=data, dev=_dev_set(data, state),
                 steps=compile_steps(model, tx, placement.state_shardings,
-                                    placement.batch_sharding, **run.loss_options),
+                                    placement.batch_sharding, ema_decay=run.optimizer.ema_decay,
+                                    **run.loss_options),
                 batch_sharding=placement.batch_sharding, schedule=schedule, manager=manager,
                 stop_signal=stop_signal, is_main=jax.process_index() == 0)
             return _run(context, state, position)
@@ -505,7 +532,8 @@ def _restore_or_init(manager, placement: Placement, run: RunSpec,
     position = saved_position.resume_at(batch_sizes, f"step {step} of {run.init_checkpoint}")
     log.info("initialised from step %d of %s (data position %d)",
              step, run.init_checkpoint, position)
-    return state.replace(params=params), position
+    return state.replace(params=params,
+                         ema_params=None if state.ema_params is None else params), position
 
 
 def _dev_set(data: TrainData, state: TrainState) -> Optional[DevSet]:
@@ -603,7 +631,7 @@ def _run(ctx: RunContext, state: TrainState, position: int) -> TrainResult:
             if evaluated:
                 monitor.accumulator.flush()  # never evaluate or save a state that went NaN
                 started = time.monotonic()
-                dev_metrics = evaluate(ctx.steps, state.params, ctx.dev, ctx.batch_sharding)
+                dev_metrics = evaluate(ctx.steps, state.eval_params, ctx.dev, ctx.batch_sharding)
                 monitor.log_dev(step, dev_metrics, time.monotonic() - started)
             if evaluated or stop or every(step, loop.checkpoint_every, run.num_steps):
                 monitor.accumulator.flush()

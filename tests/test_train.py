@@ -157,6 +157,40 @@ def test_time_budget_checkpoints_and_stops(tmp_path):
     assert (tmp_path / "ckpt" / "1").is_dir()
 
 
+def test_parameter_average_warms_up_then_decays_at_its_rate():
+    average, params = {"w": np.zeros(3, np.float32)}, {"w": np.ones(3, np.float32)}
+    first = train.update_average(average, params, np.int32(0), decay=0.999)
+    np.testing.assert_allclose(first["w"], 0.9)  # rate (1 + 0) / (10 + 0) = 0.1 at the start
+    late = train.update_average(average, params, np.int32(100_000), decay=0.999)
+    np.testing.assert_allclose(late["w"], 0.001, rtol=1e-4)  # float32 rounding of 1 - 0.999
+
+
+def test_parameter_average_resumes_exactly_and_is_what_readers_restore(tmp_path):
+    """With optimizer.ema_decay the average trains along, resumes bit for bit, and is the
+    checkpoint's `params` (what evaluation, decoding and publication read)."""
+    averaged = dataclasses.replace(toy.OPTIMIZER, ema_decay=0.9)
+
+    def run(directory, steps):
+        return train.train(toy.ToyModel(), toy.data(toy.make_batches(seed=0, batch_size=8)),
+                           toy.run_spec(directory, steps, optimizer=averaged), MeshConfig())
+
+    straight = run(tmp_path / "straight", 12)
+    run(tmp_path / "resumed", 6)
+    resumed = run(tmp_path / "resumed", 12)
+    for got, want in ((resumed.state.params, straight.state.params),
+                      (resumed.state.ema_params, straight.state.ema_params)):
+        for name, value in toy.flat_params(want).items():
+            np.testing.assert_array_equal(toy.flat_params(got)[name], value)
+    average, raw = toy.flat_params(straight.state.ema_params), toy.flat_params(straight.state.params)
+    assert any(not np.allclose(average[name], raw[name]) for name in raw)
+    placement = train.place(toy.ToyModel(), train.make_optimizer(averaged, 12)[0], MeshConfig())
+    restored, _, step = checkpoints.restore_params(str(tmp_path / "straight"),
+                                                   placement.abstract_state.params)
+    assert step == 12
+    for name, value in toy.flat_params(restored).items():
+        np.testing.assert_array_equal(value, average[name])
+
+
 def test_bleu_needs_references():
     with pytest.raises(ValueError, match="references"):
         train.train(
