@@ -187,8 +187,11 @@ def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
             hypotheses += [data.detokenize(row.tolist())
                            for source, row in zip(sources, tokens) if source.any()]
         bleu = metrics.corpus_bleu(hypotheses, data.references)
-        scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature}
-        log.info("teacher dev %s: BLEU %.2f", name, bleu.score)
+        tok_lc = metrics.tokenized_lowercased_bleu(hypotheses, data.references)
+        scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature,
+                        "bleu_tok_lc": round(tok_lc.score, 2)}
+        log.info("teacher dev %s: BLEU %.2f (tokenised lowercased %.2f)", name, bleu.score,
+                 tok_lc.score)
     return scores
 
 

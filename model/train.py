@@ -50,7 +50,7 @@ from components.config import (
     TeacherConfig,
     TrainLoopConfig,
 )
-from components.metrics import corpus_bleu
+from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
 from model import checkpoints, sharding
 
@@ -333,7 +333,8 @@ class DevSet:
 def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
              batch_sharding: NamedSharding) -> dict[str, float]:
     """Dev loss and token accuracy (per token), and BLEU (`components.metrics`, the one the
-    reports quote) of `predict_batch` output when `dev` has references."""
+    reports quote; and its tokenised lowercased variant) of `predict_batch` output when
+    `dev` has references."""
     sums: dict[str, float] = {}
     hypotheses: list[str] = []
     detokenize, references = dev.detokenize, dev.references
@@ -356,6 +357,8 @@ def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
                 f"dev set: {len(hypotheses)} non-padding rows but {len(references)} references"
             )
         metrics["bleu"] = corpus_bleu(hypotheses, references).score
+        # The published Multi30k figures' metric, beside ours (components/metrics.py).
+        metrics["bleu_tok_lc"] = tokenized_lowercased_bleu(hypotheses, references).score
     return metrics
 
 

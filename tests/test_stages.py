@@ -32,10 +32,14 @@ def test_every_stage_runs_in_order_and_publishes(config):
     assert teacher.manifest["counts"]["steps"] == 3
     assert set(teacher.manifest["metrics"]["dev_final"]) == {"greedy", "beam4"}
     assert "tok:13a" in teacher.manifest["metrics"]["dev_final"]["beam4"]["signature"]
+    for search in ("greedy", "beam4"):  # the published Multi30k figures' metric, beside ours
+        assert "bleu_tok_lc" in teacher.manifest["metrics"]["dev_final"][search]
+    assert {"bleu", "bleu_tok_lc"} <= set(teacher.manifest["metrics"]["dev"])
     student = artifacts.read(dag.output_uri(config, "train"))
     assert student.manifest["inputs"]["encode"] == dag.output_uri(config, "encode")
     assert student.manifest["counts"]["steps"] == 2  # phase 2's own step count
-    assert {"bleu", "loss", "length_accuracy"} <= set(student.manifest["metrics"]["dev"])
+    assert {"bleu", "bleu_tok_lc", "loss", "length_accuracy"} <= set(
+        student.manifest["metrics"]["dev"])
     assert not [p for p in os.listdir(os.path.dirname(student.uri)) if p.startswith(".")]
 
 
