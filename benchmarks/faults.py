@@ -173,14 +173,17 @@ def differences(stage: str, want: str, got: str) -> list[str]:
 
 
 def truncated(stage: str, want: str, got: str) -> list[str]:
-    """Paths that `got` lacks, or holds at another size than `want`: what a partial output
-    shows (content that only differs as `differences` finds it is a determinism matter)."""
+    """Paths that `got` lacks, or holds at another size (JSON lines: record count) than
+    `want`: what a partial output shows (content that only differs as `differences` finds it is a determinism matter)."""
     training = stage in TRAINING_STAGES
     skip = MEASURED_FILES.get(stage, ()) + (artifacts.MANIFEST,) + (
         ("checkpoints/*",) if training else ())
 
     def sizes(root: str) -> dict[str, int]:
-        return {path: os.path.getsize(os.path.join(root, path)) for path in _files(root)
+        """Records of a JSON-lines file (their measured times vary in width), else bytes."""
+        return {path: (len(_content(os.path.join(root, path))) if path.endswith(".jsonl")
+                       else os.path.getsize(os.path.join(root, path)))
+                for path in _files(root)
                 if not any(fnmatch.fnmatch(path, pattern) for pattern in skip)}
 
     have = sizes(got)
