@@ -336,12 +336,15 @@ def _add_theory_command(commands) -> None:
                         help="output directory (default work/theory)")
     theory.add_argument("--quick", action="store_true",
                         help="smaller runs (about 1.5 CPU-minutes instead of 4)")
+    theory.add_argument("--only", choices=("masking", "sampling"),
+                        help="run one experiment (default: both)")
 
 
 def _theory(args: argparse.Namespace) -> int:
     from theory import experiments  # JAX and matplotlib: only for this command
 
-    for path in experiments.run(args.out, quick=args.quick).values():
+    names = (args.only,) if args.only else experiments.EXPERIMENTS
+    for path in experiments.run(args.out, quick=args.quick, experiments=names).values():
         print(path)
     return 0
 

@@ -46,8 +46,10 @@ def test_summarise_hits_censors_chains_that_did_not_arrive():
 
 def test_padir_theory_calls_the_experiments(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(experiments, "run",
-                        lambda out, quick: calls.append((out, quick)) or {"x.png": "p"})
+    monkeypatch.setattr(experiments, "run", lambda out, quick, experiments: calls.append(
+        (out, quick, experiments)) or {"x.png": "p"})
     assert cli.main(["theory", "--out", str(tmp_path), "--quick"]) == 0
-    assert calls == [(str(tmp_path), True)]
-    assert capsys.readouterr().out.strip() == "p"
+    assert cli.main(["theory", "--out", str(tmp_path), "--only", "sampling"]) == 0
+    assert calls == [(str(tmp_path), True, ("masking", "sampling")),
+                     (str(tmp_path), False, ("sampling",))]
+    assert capsys.readouterr().out.split() == ["p", "p"]

@@ -25,7 +25,8 @@ of its figures into an output directory:
   N (parallel).
 
 Configs are frozen dataclasses; `*_config(quick)` gives the defaults or the quick overlay
-(`padir theory --quick`). Entry points: `padir theory`, benchmarks/theory/*.py.
+(`padir theory --quick`). Entry point: `padir theory` (`--only masking` or `--only
+sampling` runs one).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import logging
 import math
 import os
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -305,12 +307,19 @@ def _plot_sampling(result: dict):
 # --- both, and output -----------------------------------------------------------------------
 
 
-def run(out_dir: str, quick: bool = False) -> dict[str, str]:
-    """Runs both experiments; returns {name: path} of the files written."""
-    run_masking(out_dir, masking_config(quick))
-    run_sampling(out_dir, sampling_config(quick))
+EXPERIMENTS = ("masking", "sampling")
+
+
+def run(out_dir: str, quick: bool = False,
+        experiments: Sequence[str] = EXPERIMENTS) -> dict[str, str]:
+    """Runs the named experiments (default both); returns {name: path} of the files written."""
+    for name in experiments:
+        if name == "masking":
+            run_masking(out_dir, masking_config(quick))
+        else:
+            run_sampling(out_dir, sampling_config(quick))
     return {f"{name}.{ext}": os.path.join(out_dir, f"{name}.{ext}")
-            for name in ("masking", "sampling") for ext in ("png", "json")}
+            for name in experiments for ext in ("png", "json")}
 
 
 def _figure(figsize):
