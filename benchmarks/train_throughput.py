@@ -41,18 +41,25 @@ from model.models import ARModel, PaDIRModel
 FIRST_REAL_ID = 6
 
 
-def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
-    """FLOP/s of an n x n float32 matmul (best of `reps`, after a compiling call)."""
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
-    matmul = jax.jit(jnp.matmul)
+def _best_seconds(matmul, a, b, reps: int) -> float:
+    """Best of `reps` timed calls, after a compiling one."""
     matmul(a, b).block_until_ready()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         matmul(a, b).block_until_ready()
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return best
+
+
+def _operands(m: int, k: int, n: int) -> tuple[jax.Array, jax.Array]:
+    return (jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32),
+            jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32))
+
+
+def matmul_flops_per_s(n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of an n x n float32 matmul (best of `reps`, after a compiling call)."""
+    return 2 * n**3 / _best_seconds(jax.jit(jnp.matmul), *_operands(n, n, n), reps)
 
 
 def model_shapes_flops_per_s(rows: int, cfg: ModelConfig, vocab: int, reps: int = 5) -> float:
@@ -61,18 +68,8 @@ def model_shapes_flops_per_s(rows: int, cfg: ModelConfig, vocab: int, reps: int 
     shapes = [(cfg.d_model, cfg.d_model), (cfg.d_model, cfg.mlp_dim),
               (cfg.mlp_dim, cfg.d_model), (cfg.d_model, vocab)]
     matmul = jax.jit(jnp.matmul)
-    flops = seconds = 0.0
-    for k, n in shapes:
-        a = jax.random.normal(jax.random.PRNGKey(0), (rows, k), jnp.float32)
-        b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
-        matmul(a, b).block_until_ready()
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            matmul(a, b).block_until_ready()
-            best = min(best, time.perf_counter() - start)
-        flops += 2 * rows * k * n
-        seconds += best
+    flops = sum(2 * rows * k * n for k, n in shapes)
+    seconds = sum(_best_seconds(matmul, *_operands(rows, k, n), reps) for k, n in shapes)
     return flops / seconds
 
 
