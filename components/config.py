@@ -325,6 +325,9 @@ class StudentConfig:
     num_stages: int = 2  # stages unrolled in phase 2 (phase 1 always uses 1)
     remask_stutter: bool = False  # phase 2: re-mask stage-1 tokens equal to their left neighbour
     label_smoothing: float = 0.1  # of the token cross-entropies (not of the length loss)
+    # Phase 1 starts from the teacher's parameters where paths and shapes match (embedding,
+    # encoder, decoder attention and MLPs: model/warm_start.py); the rest from scratch.
+    init_from_teacher: bool = False
 
     def __post_init__(self):
         if self.phase1_steps < 1 or self.phase2_steps < 0 or self.num_stages < 1:

@@ -65,11 +65,13 @@ def student_data(config: Config) -> str:
 
 
 def inputs(config: Config, stage: str) -> tuple[str, ...]:
-    """The upstream stages whose artifacts `stage` reads under this config."""
+    """The upstream stages whose artifacts `stage` reads under this config (the student
+    also reads the teacher when it starts from it, `train.init_from_teacher`)."""
     spec = STAGES[stage]
     if stage != "train":
         return spec.inputs
-    return tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
+    names = tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
+    return names + ("teacher",) if config.train.init_from_teacher else names
 
 
 def active_stages(config: Config) -> tuple[str, ...]:

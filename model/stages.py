@@ -40,7 +40,7 @@ from jax.experimental import multihost_utils
 from components import artifacts, corpus, dag, metrics
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import inference, input_pipeline, sharding, train
+from model import inference, input_pipeline, sharding, train, warm_start
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -203,6 +203,19 @@ def run_student(config: config_lib.Config) -> artifacts.Artifact:
         return train.train_student(
             student_model(config, tokenizer), data, config.train, config.mesh,
             checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
-            log_dir=pending.path("tensorboard"))
+            log_dir=pending.path("tensorboard"), warm_start=_teacher_warm_start(config))
 
     return _publish(config, "train", train_fn)
+
+
+def _teacher_warm_start(config: config_lib.Config):
+    """With `train.init_from_teacher`: fresh student parameters -> the teacher's where
+    they fit (model/warm_start.py); else None."""
+    if not config.train.init_from_teacher:
+        return None
+    teacher_uri = dag.require_input(config, "teacher").uri
+
+    def start(params):
+        return warm_start.from_teacher(params, inference.load(teacher_uri).params)[0]
+
+    return start

@@ -456,6 +456,9 @@ class RunSpec:
       loss_options: static keyword arguments of `model.loss_fn` (module docstring).
       init_checkpoint: a finished run's directory to start from (its parameters and data
         position) when this run has no checkpoint of its own.
+      warm_start: fresh parameters -> the parameters to start from, when this run has no
+        checkpoint of its own and no `init_checkpoint` (e.g. the teacher's where they fit,
+        model/warm_start.py).
       log_dir: TensorBoard event files (process 0 only); None: none.
       deadline: a `time.monotonic()` value: past it, the run checkpoints and stops.
     """
@@ -467,6 +470,7 @@ class RunSpec:
     seed: int
     loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     init_checkpoint: Optional[str] = None
+    warm_start: Optional[Callable[[Any], Any]] = None
     log_dir: Optional[str] = None
     deadline: Optional[float] = None
 
@@ -526,6 +530,10 @@ def _restore_or_init(manager, placement: Placement, run: RunSpec,
         log.info("resuming from %s", where)
         return restored.state, position
     state = placement.create_state(run.seed)
+    if run.init_checkpoint is None and run.warm_start is not None:
+        params = run.warm_start(state.params)
+        return state.replace(params=params,
+                             ema_params=None if state.ema_params is None else params), 0
     if run.init_checkpoint is None:
         log.info("training from scratch")
         return state, 0
@@ -735,26 +743,27 @@ def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshCon
 
 
 def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshConfig, *,
-                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None) -> TrainResult:
+                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
+                  warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
     """The PaDIR student: phase 1 (single-stage loss), then phase 2 (`cfg.num_stages`
     unrolled stages) initialised from phase 1's last step, in `<checkpoint_dir>/phase{1,2}`.
 
     Each phase resumes on its own; a finished phase 1 is not retrained. Phase 2 has its own
     seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
     budgets both phases together. As for the teacher, the caller builds `model` with
-    `cfg.label_smoothing`.
+    `cfg.label_smoothing`. `warm_start` (RunSpec) starts phase 1, e.g. from the teacher.
     """
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
         loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
-        deadline=_deadline(cfg.loop))
+        deadline=_deadline(cfg.loop), warm_start=warm_start)
     result = train(model, data, phase1, mesh)
     if not result.completed or cfg.phase2_steps == 0:
         return result
     phase2 = dataclasses.replace(
         phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
-        seed=seed + 1, init_checkpoint=phase1.checkpoint_dir,
+        seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
         loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter),
         log_dir=log_dir and f"{log_dir}/phase2")
     return train(model, data, phase2, mesh)

@@ -41,6 +41,13 @@ def test_topological_order_puts_every_stage_after_its_inputs(config):
         assert all(order.index(up) < order.index(stage) for up in graph[stage])
 
 
+def test_a_student_started_from_the_teacher_reads_the_teacher(config):
+    warm = config.replace(train=config_lib.StudentConfig(init_from_teacher=True))
+    assert dag.inputs(warm, "train") == ("prepare", "vocab", "encode_distilled", "teacher")
+    assert dag.stage_key(warm, "train") != dag.stage_key(config, "train")
+    assert dag.stage_key(warm, "teacher") == dag.stage_key(config, "teacher")
+
+
 def test_a_cycle_or_an_unknown_input_is_an_error():
     with pytest.raises(config_lib.ConfigError, match="cycle"):
         plan.topological_order({"a": ("b",), "b": ("a",)})

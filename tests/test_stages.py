@@ -6,7 +6,10 @@ original pairs: a 3-step teacher's translations never reach EOS, so distillation
 reject them all (tests/test_distill.py covers the distilled path).
 """
 
+import dataclasses
+import logging
 import os
+import re
 
 import pytest
 
@@ -41,6 +44,17 @@ def test_every_stage_runs_in_order_and_publishes(config):
     assert {"bleu", "bleu_tok_lc", "loss", "length_accuracy"} <= set(
         student.manifest["metrics"]["dev"])
     assert not [p for p in os.listdir(os.path.dirname(student.uri)) if p.startswith(".")]
+
+
+def test_the_student_can_start_from_the_teacher(config, caplog):
+    ensure(config, "prepare", "vocab")
+    run_stage("encode", config)
+    run_stage("teacher", config)  # the session's, if the test above ran
+    warm = config.replace(train=dataclasses.replace(config.train, init_from_teacher=True))
+    with caplog.at_level(logging.INFO, logger="model"):
+        student = run_stage("train", warm)
+    assert student.manifest["inputs"]["teacher"] == dag.output_uri(config, "teacher")
+    assert re.search(r"initialised \d+ of \d+ parameter arrays from the teacher", caplog.text)
 
 
 def test_a_stage_refuses_to_run_without_its_inputs(config, tmp_path):
