@@ -1,6 +1,6 @@
 """Decoding quality and speed on a test set: every method of a config, in one process.
 
-With the trained models of an experiment (its `teacher` and `train` artifacts), decodes the
+With the trained models of an experiment (its `teacher` and `student` artifacts), decodes the
 test set (Multi30k test2016 for configs/multi30k_en_de.yaml) with each method of the
 config's `decode` section and prints, per method: sacreBLEU, chrF, mean decoder passes,
 latency per sentence at batch 1 (median, p99), batched throughput, and the speedups over

@@ -46,11 +46,11 @@ from components import artifacts, dag
 from components import config as config_lib
 from flows import plan
 
-TRAINING_STAGES = ("teacher", "train")
+TRAINING_STAGES = ("teacher", "student")
 # Files whose content is a measured time, which no rerun reproduces (relative to the artifact).
 MEASURED_FILES = {
     "teacher": ("tensorboard/*",),  # event files carry wall times
-    "train": ("tensorboard/*",),
+    "student": ("tensorboard/*",),
     # rendered from the latencies in report.json
     "score": ("report.md", "plots/*/bleu_vs_latency.png", "plots/*/latency_vs_length.png"),
 }

@@ -168,7 +168,7 @@ def main(argv=None) -> None:
     label_smoothing = 0.1
     if args.config:
         config = config_lib.load(args.config, args.set)
-        teacher_cfg, student_cfg = config.teacher.model, config.train.model
+        teacher_cfg, student_cfg = config.teacher.model, config.student.model
         label_smoothing = config.teacher.label_smoothing
         args.vocab = config.vocab.size
         args.batch = max(1, config.teacher.loop.tokens_per_batch // args.length)

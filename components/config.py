@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import reprlib
@@ -30,6 +31,8 @@ import typing
 from typing import Any, Literal, Optional, Sequence
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -331,9 +334,9 @@ class StudentConfig:
 
     def __post_init__(self):
         if self.phase1_steps < 1 or self.phase2_steps < 0 or self.num_stages < 1:
-            raise ConfigError("train: phase1_steps >= 1, phase2_steps >= 0, num_stages >= 1")
+            raise ConfigError("student: phase1_steps >= 1, phase2_steps >= 0, num_stages >= 1")
         if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError("train.label_smoothing: expected a value in [0, 1)")
+            raise ConfigError("student.label_smoothing: expected a value in [0, 1)")
 
 
 # Logical axis -> mesh axes, in priority order (flax `logical_to_mesh_axes` semantics: an
@@ -426,7 +429,7 @@ class Decoder:
     """What the pipeline needs to know of a decoding kind without running it (its search
     is `model/inference.py: SEARCHES[kind]`)."""
 
-    stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "train"
+    stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "student"
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
 
 
@@ -434,10 +437,10 @@ class Decoder:
 DECODERS: dict[str, Decoder] = {
     "ar_greedy": Decoder("teacher", ()),
     "ar_beam": Decoder("teacher", ("beam_size", "length_penalty")),
-    "padir": Decoder("train", ("iterations", "num_length_candidates", "length_offsets", "init")),
-    "mask_predict": Decoder("train", ("iterations", "num_length_candidates", "length_offsets")),
-    "adaptive": Decoder("train", ("tokens_per_step", "criterion", "num_length_candidates",
-                                  "length_offsets")),
+    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init")),
+    "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets")),
+    "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
+                                    "length_offsets")),
 }
 DECODE_KINDS = tuple(DECODERS)
 
@@ -447,7 +450,7 @@ class DecodeMethod:
     """One decoding method to measure (model/decoding.py, model/beam_search.py).
 
     The AR kinds decode with the `teacher` artifact, the others with the PaDIR student
-    (`train`). Each kind reads only its options (`DECODERS`); giving another one a value
+    (`student`). Each kind reads only its options (`DECODERS`); giving another one a value
     other than its default is an error, so a config never carries a knob that does
     nothing.
 
@@ -570,7 +573,7 @@ class Config:
     encode: EncodeConfig = EncodeConfig()
     teacher: TeacherConfig = TeacherConfig()
     distill: DistillConfig = DistillConfig()
-    train: StudentConfig = StudentConfig()
+    student: StudentConfig = StudentConfig()
     decode: DecodeConfig = DecodeConfig()
     mesh: MeshConfig = MeshConfig()
 
@@ -583,7 +586,7 @@ class Config:
         for i, test_set in enumerate(self.data.test):
             test_set.corpus.validate(f"data.test[{i}]")
         widest = self.encode.bucket_boundaries[-1]  # batches are padded to a boundary
-        for name in ("teacher", "train"):
+        for name in ("teacher", "student"):
             model = self.section(name).model
             if min(model.max_source_len, model.max_target_len) < widest:
                 raise ConfigError(
@@ -739,12 +742,44 @@ def parse_override(text: str) -> tuple[str, Any]:
                           "quote it to pass a string") from e
 
 
+# Old section name -> its new name: still read (with a warning) for one release.
+RENAMED_SECTIONS = {"train": "student"}
+
+
+def _rename_sections(data: dict, where: str, renamed: set[str]) -> None:
+    """Moves each old-named top-level section of `data` to its new name (into `renamed`).
+
+    Raises:
+      ConfigError: `data` has both the old and the new name.
+    """
+    for old, new in RENAMED_SECTIONS.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{where}: both '{old}' and '{new}' given; '{old}' is the "
+                                  f"old name of '{new}': keep only '{new}'")
+            data[new] = data.pop(old)
+            renamed.add(old)
+
+
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
-    """Reads a YAML config (with `include:` of a base file) and applies `--set` overrides."""
-    data = _read_yaml(path, ())
+    """Reads a YAML config (with `include:` of a base file) and applies `--set` overrides.
+
+    An old section name (`RENAMED_SECTIONS`), in a file or an override, is read as the new
+    one, with one warning line per name.
+    """
+    renamed: set[str] = set()
+    data = _read_yaml(path, (), renamed)
     for text in overrides:
         key, value = parse_override(text)
+        section, dot, rest = key.partition(".")
+        if section in RENAMED_SECTIONS:
+            key = RENAMED_SECTIONS[section] + dot + rest
+            renamed.add(section)
         _set_path(data, key, value)
+    for old in sorted(renamed):
+        new = RENAMED_SECTIONS[old]
+        log.warning("config: section '%s' is now '%s'; read as '%s' (rename it: '%s' stops "
+                    "working in a later release)", old, new, new, old)
     return from_dict(Config, data)
 
 
@@ -765,11 +800,12 @@ def _parse_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {type(e).__name__}") from e
 
 
-def _read_yaml(path: str, including: tuple[str, ...]) -> dict:
+def _read_yaml(path: str, including: tuple[str, ...], renamed: set[str]) -> dict:
     """A YAML mapping; `include: base.yaml` (relative to this file) is merged underneath.
 
     Args:
       including: the real paths of the files that include this one (an include loop).
+      renamed: collects the old section names read (`_rename_sections`).
     """
     real = os.path.realpath(path)
     if real in including:
@@ -778,12 +814,14 @@ def _read_yaml(path: str, including: tuple[str, ...]) -> dict:
     data = _parse_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {_short(data)}")
+    _rename_sections(data, path, renamed)
     base = data.pop("include", None)
     if base is None:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: include: expected a file name, got {_short(base)}")
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*including, real))
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*including, real),
+                        renamed)
     _merge(merged, data)
     return merged
 

@@ -7,12 +7,12 @@ The Prefect flow uses the same keys as its cache keys.
 
 One switch shapes the graph, `distill.enabled`: when on, the teacher's translations of
 the training sources (`distill`), encoded like the originals (`encode_distilled`), are
-what the student (`train`) trains on; when off, those two stages are not part of the run
+what the student (`student`) trains on; when off, those two stages are not part of the run
 and the student reads the original `encode` artifact, as the teacher always does. So the
 switch changes the student's key (and its dependents'), never the teacher's:
 
-    prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─► train ─► decode ─► score
-                          └──────────── (distill.enabled: false) ─────────────┘
+  prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─► student ─► decode ─► score
+                        └──────────── (distill.enabled: false) ─────────────┘
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ STAGES: dict[str, StageSpec] = {
     "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab"),
                                   entry="pipelines.encode:run_distilled", beam=True),
     # Reads "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
-    "train": StageSpec(sections=("train", "seed"), inputs=("prepare", "vocab", "encode"),
-                       entry="model.stages:run_student", beam=False),
-    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "train"),
+    "student": StageSpec(sections=("student", "seed"), inputs=("prepare", "vocab", "encode"),
+                         entry="model.stages:run_student", beam=False),
+    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "student"),
                         entry="pipelines.decode:run", beam=True),
     "score": StageSpec(sections=(), inputs=("prepare", "decode"),
                        entry="components.score:run", beam=False),
@@ -59,19 +59,19 @@ DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.en
 
 
 def student_data(config: Config) -> str:
-    """The encode stage whose pairs the student (`train`) trains on: the distilled ones
+    """The encode stage whose pairs the student trains on: the distilled ones
     when `distill.enabled`, else the original ones, which the teacher always trains on."""
     return "encode_distilled" if config.distill.enabled else "encode"
 
 
 def inputs(config: Config, stage: str) -> tuple[str, ...]:
     """The upstream stages whose artifacts `stage` reads under this config (the student
-    also reads the teacher when it starts from it, `train.init_from_teacher`)."""
+    also reads the teacher when it starts from it, `student.init_from_teacher`)."""
     spec = STAGES[stage]
-    if stage != "train":
+    if stage != "student":
         return spec.inputs
     names = tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
-    return names + ("teacher",) if config.train.init_from_teacher else names
+    return names + ("teacher",) if config.student.init_from_teacher else names
 
 
 def active_stages(config: Config) -> tuple[str, ...]:

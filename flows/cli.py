@@ -23,6 +23,8 @@ from flows import local_api, stages
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError,
                artifacts.LeaseHeldError)
+# Old stage name -> its new name: `padir stage OLD` still runs it, for one release.
+RENAMED_STAGES = {"train": "student"}
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
-    stage.add_argument("name", choices=list(dag.STAGES))
+    stage.add_argument("name", choices=[*dag.STAGES, *RENAMED_STAGES],
+                       metavar="{" + ",".join(dag.STAGES) + "}")
     _add_config_args(stage)
     _add_translate_command(commands)
     _add_pipeline_commands(commands)
@@ -191,17 +194,17 @@ PIPELINE_COMMANDS = {"run": _run_pipeline, "status": _print_status, "serve": _se
 
 def _add_translate_command(commands) -> None:
     translate = commands.add_parser(
-        "translate", help="translate stdin line by line with a teacher or train artifact",
+        "translate", help="translate stdin line by line with a teacher or student artifact",
         description="Reads UTF-8 sentences from stdin, prints exactly one translation per "
                     "line. A line that is not UTF-8 gets an empty output line; it and a "
                     "source cut to the widest length bucket are reported on stderr, and the "
                     "first makes the exit status 1. Options a method does not use are an "
                     "error; unset ones take the defaults of components.config.DecodeMethod.")
     translate.add_argument("--checkpoint", required=True, metavar="DIR",
-                           help="a published teacher or train artifact, relative or absolute, "
-                                "e.g. work/multi30k_en_de/train/<key>")
+                           help="a published teacher or student artifact, relative or absolute, "
+                                "e.g. work/multi30k_en_de/student/<key>")
     translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
-                           help="default: padir for a train artifact, ar_beam for a teacher")
+                           help="default: padir for a student artifact, ar_beam for a teacher")
     hints = typing.get_type_hints(config_lib.DecodeMethod)
     for field in config_lib.decode_options():
         _add_decode_option(translate, field, hints[field.name])
@@ -349,6 +352,16 @@ def _theory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _current_stage_name(name: str) -> str:
+    """`name`, or the new name of a renamed stage (with one deprecation line on stderr)."""
+    if name not in RENAMED_STAGES:
+        return name
+    new = RENAMED_STAGES[name]
+    print(f"padir: 'stage {name}' is now 'stage {new}'; running stage {new} ('stage {name}' "
+          "stops working in a later release)", file=sys.stderr)
+    return new
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -360,8 +373,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _translate(args) if args.command == "translate" else _theory(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
-            artifact = stages.run_stage(args.name, config, beam_args=extra)
-            print(f"{args.name}: {artifact.uri}")
+            name = _current_stage_name(args.name)
+            artifact = stages.run_stage(name, config, beam_args=extra)
+            print(f"{name}: {artifact.uri}")
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         else:

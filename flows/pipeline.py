@@ -20,7 +20,7 @@ JAX must not be initialised in a process that later forks, and the training stag
 every core anyway. Runs of a served deployment execute in spawned, not forked, processes.
 
     padir run configs/demo.yaml                         # ephemeral Prefect API, no server
-    padir run configs/demo.yaml --from train            # recompute train and downstream
+    padir run configs/demo.yaml --from student          # recompute student and downstream
     padir serve configs/multi30k_en_de.yaml --cron "0 3 * * *"   # needs PREFECT_API_URL
 """
 

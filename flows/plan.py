@@ -7,7 +7,7 @@ runs; otherwise its complete artifact is reused. The Prefect flow (flows/pipelin
 executes this plan; `padir status` shows the same facts without running anything.
 
     plan(config)                        # everything, reusing what is complete
-    plan(config, from_stage="train")    # recompute train and everything downstream
+    plan(config, from_stage="student")  # recompute student and everything downstream
     plan(config, only="vocab")          # just vocab (its inputs must be complete)
 """
 

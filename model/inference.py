@@ -1,6 +1,6 @@
 """Translating text with a published training artifact: restore once, decode jitted.
 
-    loaded = load("work/multi30k_en_de/train/<key>")          # LoadedModel (params on device)
+    loaded = load("work/multi30k_en_de/student/<key>")          # LoadedModel (params on device)
     translator = Translator(loaded, DecodeMethod("padir_4", "padir", iterations=4),
                             batch_size=1, boundaries=loaded.boundaries)
     [t] = translator.translate(["A dog runs."])              # Translation
@@ -67,7 +67,7 @@ from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
 
-TRAINING_STAGES = ("teacher", "train")
+TRAINING_STAGES = ("teacher", "student")
 # Checkpoint restores in this process, by artifact URI (tests assert "once per process");
 # traces of the encoding call, by (artifact URI, method name, batch size), one per source
 # bucket; traces of the PaDIR search, by (artifact URI, method name, batch size, width).
@@ -83,7 +83,7 @@ class LoadedModel:
     """A training artifact restored for decoding."""
 
     uri: str
-    stage: str  # "teacher" (ARModel) or "train" (PaDIRModel)
+    stage: str  # "teacher" (ARModel) or "student" (PaDIRModel)
     step: int
     model: Union[ARModel, PaDIRModel]
     params: Any
@@ -92,9 +92,9 @@ class LoadedModel:
 
 
 def checkpoint_dir(artifact: artifacts.Artifact) -> str:
-    """The checkpoints a published `teacher` or `train` artifact decodes with: the student's
+    """The checkpoints a published `teacher` or `student` artifact decodes with: the student's
     last phase that trained (a time budget may end training within phase 1)."""
-    if artifact.stage == "train":
+    if artifact.stage == "student":
         phase2 = artifact.path("checkpoints", "phase2")
         fs, path = artifacts.filesystem(phase2)
         return phase2 if fs.exists(path) else artifact.path("checkpoints", "phase1")
@@ -116,7 +116,7 @@ def _read_text(uri: str) -> str:
 
 
 def load(uri: str) -> LoadedModel:
-    """Restores a published `teacher` or `train` artifact (see the module docstring).
+    """Restores a published `teacher` or `student` artifact (see the module docstring).
 
     Raises:
       artifacts.IncompleteArtifactError: `uri` has no manifest.

@@ -1,4 +1,4 @@
-"""The training stages: `teacher` (the AR model) and `train` (the PaDIR student).
+"""The training stages: `teacher` (the AR model) and `student` (the PaDIR student).
 
 Contract:
   reads:  an encode artifact (TFRecord shards of `train` and `dev`): the teacher always
@@ -6,7 +6,7 @@ Contract:
           distilled pairs, `encode_distilled`, when `distill.enabled`, else `encode`);
           the `vocab` artifact (`spm.model`) and the `prepare` artifact (raw dev
           references for BLEU).
-  writes: `<workdir>/teacher/<key>/` or `<workdir>/train/<key>/` with `checkpoints/`
+  writes: `<workdir>/teacher/<key>/` or `<workdir>/student/<key>/` with `checkpoints/`
           (orbax; the student's in `checkpoints/phase1` and `checkpoints/phase2`),
           `tensorboard/`, and a manifest with the final dev metrics.
 
@@ -23,7 +23,7 @@ The processes agree (`sharding.agreement`) once set up, once trained and once pu
 that a failure on one (a held lease, a missing input) ends all of them at once.
 
     padir stage teacher configs/multi30k_en_de.yaml
-    padir stage train configs/multi30k_en_de.yaml
+    padir stage student configs/multi30k_en_de.yaml
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def load_tokenizer(config: config_lib.Config) -> Tokenizer:
 
 def training_data(config: config_lib.Config, stage: str,
                   tokenizer: Tokenizer) -> train.TrainData:
-    """The data of training stage `stage` ("teacher" or "train"): bucketed batches of about
+    """The data of training stage `stage` ("teacher" or "student"): bucketed batches of about
     `loop.tokens_per_batch` tokens of its encode artifact, split across processes.
     Reads the JAX backend: `jax.distributed.initialize` must have run."""
     loop = config.section(stage).loop
@@ -89,8 +89,8 @@ def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
 
 
 def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel:
-    return PaDIRModel(config.train.model, tokenizer.vocab_size, tokenizer.first_real_id,
-                      label_smoothing=config.train.label_smoothing)
+    return PaDIRModel(config.student.model, tokenizer.vocab_size, tokenizer.first_real_id,
+                      label_smoothing=config.student.label_smoothing)
 
 
 # Errors that one process meets and all report as theirs (a user error is one everywhere).
@@ -201,17 +201,17 @@ def run_student(config: config_lib.Config) -> artifacts.Artifact:
 
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         return train.train_student(
-            student_model(config, tokenizer), data, config.train, config.mesh,
+            student_model(config, tokenizer), data, config.student, config.mesh,
             checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
             log_dir=pending.path("tensorboard"), warm_start=_teacher_warm_start(config))
 
-    return _publish(config, "train", train_fn)
+    return _publish(config, "student", train_fn)
 
 
 def _teacher_warm_start(config: config_lib.Config):
-    """With `train.init_from_teacher`: fresh student parameters -> the teacher's where
+    """With `student.init_from_teacher`: fresh student parameters -> the teacher's where
     they fit (model/warm_start.py); else None."""
-    if not config.train.init_from_teacher:
+    if not config.student.init_from_teacher:
         return None
     teacher_uri = dag.require_input(config, "teacher").uri
 

@@ -3,7 +3,7 @@
 Contract:
   reads   the `prepare` artifact's test splits (`config.data.test` by name, or the carved
           `test`): `{split}-SSSSS-of-NNNNN.jsonl` of `{"id", "source", "target"}`; the
-          `teacher` artifact (AR methods) and the `train` artifact (NAR methods), only
+          `teacher` artifact (AR methods) and the `student` artifact (NAR methods), only
           those the configured methods need; each names its vocabulary.
   writes  `<workdir>/decode/<key>/`:
             hypotheses/{test_set}/{method}.jsonl   the batched pass, at
@@ -191,7 +191,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
     decodes the latency sample one RunInference batch of `latency_batch_size` at a time.
 
     Args:
-      checkpoints: stage ("teacher", "train") -> artifact URI, for the stages the methods use.
+      checkpoints: stage ("teacher", "student") -> artifact URI, for the stages the methods use.
       tokenizer: the models' (teacher and student share the vocab artifact), for the
         batches' lengths.
     """

@@ -54,7 +54,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
     """Source text -> PredictionResult(example=source, inference=translation record).
 
     Args:
-      artifact_uri: a published `teacher` (AR kinds) or `train` (NAR kinds) artifact.
+      artifact_uri: a published `teacher` (AR kinds) or `student` (NAR kinds) artifact.
       method: the decoding method.
       batch_size: sentences per decoder call (and per RunInference batch).
       boundaries: the length buckets; default: those of the artifact's config.

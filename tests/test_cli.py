@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from components import config as config_lib
-from flows import cli
+from flows import cli, stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +63,13 @@ def test_translate_empty_stdin_fails_with_one_line():
     assert err == "padir translate: no input: stdin was empty\n"
 
 
-def _artifact(directory, stage="train"):
+def _artifact(directory, stage="student"):
     directory.mkdir(parents=True)
     (directory / "manifest.json").write_text(json.dumps({"stage": stage, "key": "k"}))
 
 
 def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
-    _artifact(tmp_path / "work" / "train" / "k")
+    _artifact(tmp_path / "work" / "student" / "k")
     monkeypatch.chdir(tmp_path)
     loaded = []
 
@@ -79,23 +79,23 @@ def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_translator", fake_translator)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
-    assert cli.main(["translate", "--checkpoint", "work/train/k", "--batch-size", "4"]) == 0
-    assert loaded == [(str(tmp_path / "work" / "train" / "k"), "padir", 4)]
+    assert cli.main(["translate", "--checkpoint", "work/student/k", "--batch-size", "4"]) == 0
+    assert loaded == [(str(tmp_path / "work" / "student" / "k"), "padir", 4)]
     assert capsys.readouterr().out == "HELLO\n"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["translate", "--checkpoint", "nowhere"], "nowhere is not a complete artifact"),
-    (["translate", "--checkpoint", "work/train/k", "--method", "ar_beam"],
-     "--method ar_beam decodes with a 'teacher' artifact; work/train/k is a 'train' one"),
-    (["translate", "--checkpoint", "work/train/k", "--beam-size", "3"],
+    (["translate", "--checkpoint", "work/student/k", "--method", "ar_beam"],
+     "--method ar_beam decodes with a 'teacher' artifact; work/student/k is a 'student' one"),
+    (["translate", "--checkpoint", "work/student/k", "--beam-size", "3"],
      "'beam_size' does not apply to kind padir"),
     (["status", "missing.yaml"], "missing.yaml: no such config file"),
     (["status", "bad.yaml"], "bad.yaml:2:1: invalid YAML"),
     (["status", "ok.yaml", "--set", "seed=["], "--set seed: the value is not valid YAML"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, argv, message):
-    _artifact(tmp_path / "work" / "train" / "k")
+    _artifact(tmp_path / "work" / "student" / "k")
     (tmp_path / "bad.yaml").write_text("seed: [\n")
     (tmp_path / "ok.yaml").write_text(
         "data: {source_lang: en, target_lang: de, train: {tsv: x.tsv}}\n")
@@ -111,3 +111,23 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(config_lib.ConfigError, match="missing.yaml: no such config file"):
         cli.main(["--debug", "status", "missing.yaml"])
+
+
+def test_stage_train_runs_the_student_stage_with_a_deprecation_line(tmp_path, monkeypatch,
+                                                                      capsys):
+    (tmp_path / "ok.yaml").write_text(
+        "data: {source_lang: en, target_lang: de, train: {tsv: x.tsv}}\n")
+    monkeypatch.chdir(tmp_path)
+    ran = []
+
+    def fake_run_stage(name, config, beam_args=()):
+        ran.append((name, tuple(beam_args)))
+        return dataclasses.make_dataclass("Artifact", ["uri"])(uri=f"work/{name}/k")
+
+    monkeypatch.setattr(stages, "run_stage", fake_run_stage)
+    assert cli.main(["stage", "train", "ok.yaml"]) == 0
+    out, err = capsys.readouterr()
+    assert ran == [("student", ())]
+    assert out == "student: work/student/k\n"
+    assert "padir: 'stage train' is now 'stage student'; running stage student ('stage train' " \
+           "stops working in a later release)\n" in err

@@ -138,6 +138,38 @@ def test_include_merges_the_overlay_over_its_base(tmp_path):
     assert (config.prepare.max_chars, config.prepare.num_shards) == (50, 1)
 
 
+RENAMED = ("config: section 'train' is now 'student'; read as 'student' (rename it: 'train' "
+           "stops working in a later release)")
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_an_old_train_section_is_read_as_student_with_one_warning(tmp_path, caplog):
+    config = _load(tmp_path, {**BASE, "train": {"phase1_steps": 5, "num_stages": 3}})
+    assert (config.student.phase1_steps, config.student.num_stages) == (5, 3)
+    assert _warnings(caplog) == [RENAMED]
+    assert config == _load(tmp_path, {**BASE, "student": {"phase1_steps": 5, "num_stages": 3}})
+
+
+def test_an_old_train_override_is_read_as_student_with_one_warning(tmp_path, caplog):
+    config = _load(tmp_path, {**BASE, "train": {"num_stages": 3}},
+                   overrides=["train.phase1_steps=3", "train.phase2_steps=0"])
+    assert (config.student.phase1_steps, config.student.phase2_steps) == (3, 0)
+    assert config.student.num_stages == 3
+    assert _warnings(caplog) == [RENAMED]
+    caplog.clear()
+    student = _load(tmp_path, {**BASE, "student": {"num_stages": 3}},
+                    overrides=["train.phase1_steps=3", "train.phase2_steps=0"])
+    assert student == config and _warnings(caplog) == [RENAMED]
+
+
+def test_train_and_student_sections_together_are_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="both 'train' and 'student' given"):
+        _load(tmp_path, {**BASE, "train": {"phase1_steps": 5}, "student": {"num_stages": 3}})
+
+
 def test_the_shipped_configs_load(monkeypatch):
     monkeypatch.setenv("PADIR_DATA_ROOT", "/data")
     demo = config_lib.load("configs/demo.yaml")
@@ -148,7 +180,7 @@ def test_the_shipped_configs_load(monkeypatch):
     assert benchmark.decode.latency_sentences == 200 and benchmark.distill.enabled
     tpu = config_lib.load("configs/overlays/tpu.yaml")
     assert tpu.mesh.distributed and tpu.mesh.fsdp == 4 and tpu.workdir.startswith("gs://")
-    for section in (tpu.teacher, tpu.train):  # the paper's 67M model, no time budget
+    for section in (tpu.teacher, tpu.student):  # the paper's 67M model, no time budget
         assert (section.model.d_model, section.model.num_encoder_layers) == (512, 6)
         assert section.loop.max_minutes is None
     assert tpu.data == benchmark.data and tpu.vocab == benchmark.vocab

@@ -96,7 +96,7 @@ def _build_all(config, prepared: str, tokenizer: Tokenizer) -> dict[str, beam.Pi
     distill.build(jobs["distill"], config, prepared_uri=prepared, teacher_uri=out("teacher"),
                   tokenizer=tokenizer, num_shards=4, output_uri=out("distill"))
     decode.build(jobs["decode"], config, prepared_uri=prepared, output_uri=out("decode"),
-                 checkpoints={"teacher": out("teacher"), "train": out("train")},
+                 checkpoints={"teacher": out("teacher"), "student": out("student")},
                  tokenizer=tokenizer)
     return jobs
 

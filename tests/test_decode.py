@@ -52,7 +52,7 @@ def config(tiny_workdir):
         # One bucket: one compiled shape per method and pass keeps the stage test quick.
         "encode.bucket_boundaries=[64]")
     ensure(config, "prepare", "vocab")
-    for stage in ("teacher", "train"):
+    for stage in ("teacher", "student"):
         publish_untrained(config, stage)
     return config
 
@@ -64,7 +64,7 @@ def _uri(config, stage: str) -> str:
 def _sentences(config, count: int, lengths: range) -> list[str]:
     """`count` distinct word prefixes of test sentences whose token count (with EOS) is in
     `lengths`, so that they fall in one length bucket and one output width."""
-    tokenizer = inference.load_cached(_uri(config, "train")).tokenizer
+    tokenizer = inference.load_cached(_uri(config, "student")).tokenizer
     found = []
     for pair in corpus.read_split(dag.output_uri(config, "prepare"), "test2016"):
         words = pair["source"].split()
@@ -82,7 +82,7 @@ def _sentences(config, count: int, lengths: range) -> list[str]:
 
 
 def test_decode_methods_refuse_options_their_kind_does_not_read():
-    assert DecodeMethod("p", "padir", iterations=10).stage == "train"
+    assert DecodeMethod("p", "padir", iterations=10).stage == "student"
     assert DecodeMethod("b", "ar_beam", beam_size=8).stage == "teacher"
     with pytest.raises(ConfigError, match="'beam_size' does not apply to kind padir"):
         DecodeMethod("p", "padir", beam_size=8)
@@ -96,7 +96,7 @@ def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
     fields = {field.name for field in config_lib.decode_options()}
     flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
     for kind, decoder in config_lib.DECODERS.items():
-        assert decoder.stage in ("teacher", "train") and set(decoder.options) <= fields, kind
+        assert decoder.stage in ("teacher", "student") and set(decoder.options) <= fields, kind
     assert {name for name in vars(flags) if name in fields} == fields  # one flag per option
     assert cli.build_parser().parse_args(
         ["translate", "--checkpoint", "c", "--length-offsets=-1,0,1", "--init", "random",
@@ -107,7 +107,7 @@ def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
 
 
 def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
-    uri = _uri(config, "train")
+    uri = _uri(config, "student")
     method = DecodeMethod("padir_2", "padir", iterations=2)
     sources = _sentences(config, 10, range(9, 17))  # bucket 16, output width 32
     handler = beam_inference.TranslationModelHandler(uri, method, batch_size=2,
@@ -157,7 +157,7 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
     assert first[0].latency_s == pytest.approx(first[0].batch_seconds / 3)
     assert translator.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
     assert inference.TRACES[key] == 2  # the long sentence's bucket; no other shape
-    with pytest.raises(ConfigError, match="decodes with a 'train' artifact"):
+    with pytest.raises(ConfigError, match="decodes with a 'student' artifact"):
         inference.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
 
 
@@ -175,7 +175,7 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
     assert counts["read.test2016"] == MAX_SENTENCES
     assert decoded.manifest["metrics"]["test_sets"] == ["test2016"]
     assert decoded.manifest["metrics"]["latency_sentences"] == {"test2016": LATENCY_SENTENCES}
-    assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "train"}
+    assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "student"}
     for method in METHODS:
         for folder, name, expected in ((decode.HYPOTHESES, "batched", ids[:MAX_SENTENCES]),
                                        (decode.LATENCY, "latency", ids[:LATENCY_SENTENCES])):
@@ -247,7 +247,7 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
 
 
 def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch, capsys):
-    uri = _uri(config, "train")
+    uri = _uri(config, "student")
     sentences = _sentences(config, 2, range(2, 17))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
         f"{sentences[0]}\n\n  {sentences[1]} \n".encode())))

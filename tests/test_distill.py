@@ -214,17 +214,17 @@ def test_the_student_trains_on_the_encoded_distilled_pairs(config, distilled, mo
     monkeypatch.setattr(stages.input_pipeline, "split_files",
                         lambda uri, split: read.append(uri) or real_split_files(uri, split))
     tokenizer = stages.load_tokenizer(config)
-    data = stages.training_data(config, "train", tokenizer)
+    data = stages.training_data(config, "student", tokenizer)
     assert set(read) == {encoded.uri}
     assert len(data.references) == counts["encoded.dev"]
     off = config.replace(distill=dataclasses.replace(config.distill, enabled=False))
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
-        stages.training_data(off, "train", tokenizer)  # the originals: not encoded here
+        stages.training_data(off, "student", tokenizer)  # the originals: not encoded here
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
         stages.run_student(off)
-    train_dir = os.path.join(config.workdir, "train")  # shared: other tests' keys live there
-    key = dag.stage_key(off, "train")
-    assert not [name for name in (os.listdir(train_dir) if os.path.isdir(train_dir) else [])
+    student_dir = os.path.join(config.workdir, "student")  # shared: other tests' keys live there
+    key = dag.stage_key(off, "student")
+    assert not [name for name in (os.listdir(student_dir) if os.path.isdir(student_dir) else [])
                 if key in name]  # nothing of this key left behind: no partial, no lease
 
 

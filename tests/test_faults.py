@@ -46,7 +46,7 @@ def test_status_lists_leftovers_and_gc_removes_them_and_nothing_else(config_path
     for name in left:
         _touch(os.path.join(work, name, "file") if "lease" not in name
                else os.path.join(work, name))
-    running = f"train/.partial-{key['train']}"
+    running = f"student/.partial-{key['student']}"
     _touch(os.path.join(work, running, "checkpoints", "3"))
 
     assert cli.main(["status", path]) == 0
@@ -55,14 +55,14 @@ def test_status_lists_leftovers_and_gc_removes_them_and_nothing_else(config_path
     for name, kind in {**left, running: "resumes from"}.items():
         assert any(name in line and kind in line for line in out.splitlines()), name
 
-    with artifacts.lease(work, "train", key["train"]):  # a training run in progress
+    with artifacts.lease(work, "student", key["student"]):  # a training run in progress
         assert cli.main(["gc", path]) == 0
         out = capsys.readouterr().out
         assert f"{len(left)} leftovers removed, 1 keys in use kept" in out
-        assert f"kept: train/{key['train']} is being written by another run" in out
+        assert f"kept: student/{key['student']} is being written by another run" in out
         remaining = artifacts.leftovers(work, list(dag.STAGES))
         assert sorted(item.uri for item in remaining) == sorted(
-            [artifacts.join(work, running), artifacts.lease_uri(work, "train", key["train"])])
+            [artifacts.join(work, running), artifacts.lease_uri(work, "student", key["student"])])
     assert all(os.path.exists(p) for p in kept)
     assert artifacts.is_complete(dag.output_uri(config, "prepare"))
     assert cli.main(["gc", path]) == 0

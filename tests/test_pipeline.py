@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 # (tests/test_distill.py runs those stages; the fake-stage tests below plan them).
 FAST = ("data.dev=null", "data.test=[]", "data.carve_dev_fraction=0.05",
         "data.carve_test_fraction=0.05", "encode.bucket_boundaries=[64]",
-        "train.phase2_steps=0", "decode.max_sentences=4", "decode.throughput_batch_size=4",
+        "student.phase2_steps=0", "decode.max_sentences=4", "decode.throughput_batch_size=4",
         "distill.enabled=false",
         "decode.methods=[{name: greedy, kind: ar_greedy}, "
         "{name: padir, kind: padir, iterations: 2}]")
@@ -176,12 +176,12 @@ def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
 def test_a_changed_section_reruns_its_stage_and_downstream_only(fake, fake_config):
     run_flow(fake_config)
     fake.calls.clear()
-    state = run_flow(fake_config, ["train.phase1_steps=7"])
+    state = run_flow(fake_config, ["student.phase1_steps=7"])
     assert state.is_completed()
-    assert fake.calls == downstream(fake_config, "train")
+    assert fake.calls == downstream(fake_config, "student")
     states = task_states(state, len(dag.STAGES))
     assert {s for s, name in states.items() if name == "Cached"} == \
-        set(dag.STAGES) - set(downstream(fake_config, "train"))
+        set(dag.STAGES) - set(downstream(fake_config, "student"))
 
 
 def test_a_deleted_output_reruns_that_stage_and_its_dependents(fake, fake_config):
@@ -268,8 +268,8 @@ def test_a_remote_workdir_keeps_its_cache_records_next_to_its_artifacts(fake, tm
 def test_from_and_only_select_what_runs(fake, fake_config):
     run_flow(fake_config)
     fake.calls.clear()
-    assert run_flow(fake_config, from_stage="train").is_completed()
-    assert fake.calls == downstream(fake_config, "train")
+    assert run_flow(fake_config, from_stage="student").is_completed()
+    assert fake.calls == downstream(fake_config, "student")
     fake.calls.clear()
     only = run_flow(fake_config, only="vocab", force=["vocab"])
     assert fake.calls == ["vocab"] and list(only.result()) == ["vocab"]

@@ -42,9 +42,9 @@ def test_topological_order_puts_every_stage_after_its_inputs(config):
 
 
 def test_a_student_started_from_the_teacher_reads_the_teacher(config):
-    warm = config.replace(train=config_lib.StudentConfig(init_from_teacher=True))
-    assert dag.inputs(warm, "train") == ("prepare", "vocab", "encode_distilled", "teacher")
-    assert dag.stage_key(warm, "train") != dag.stage_key(config, "train")
+    warm = config.replace(student=config_lib.StudentConfig(init_from_teacher=True))
+    assert dag.inputs(warm, "student") == ("prepare", "vocab", "encode_distilled", "teacher")
+    assert dag.stage_key(warm, "student") != dag.stage_key(config, "student")
     assert dag.stage_key(warm, "teacher") == dag.stage_key(config, "teacher")
 
 
@@ -58,33 +58,33 @@ def test_a_cycle_or_an_unknown_input_is_an_error():
 def test_the_distill_switch_decides_what_the_student_trains_on(config):
     off = config.replace(distill=config_lib.DistillConfig(enabled=False))
     assert config.distill.enabled and dag.student_data(config) == "encode_distilled"
-    assert dag.inputs(config, "train") == ("prepare", "vocab", "encode_distilled")
-    assert dag.inputs(off, "train") == ("prepare", "vocab", "encode")
+    assert dag.inputs(config, "student") == ("prepare", "vocab", "encode_distilled")
+    assert dag.inputs(off, "student") == ("prepare", "vocab", "encode")
     assert dag.inputs(config, "teacher") == dag.inputs(off, "teacher") == \
         ("prepare", "vocab", "encode")
     assert set(dag.STAGES) - set(dag.active_stages(off)) == {"distill", "encode_distilled"}
     assert [s.stage for s in plan.plan(off)] == plan.topological_order(dag.graph(off))
     assert "distill" not in [s.stage for s in plan.plan(off)]
     assert plan.downstream("distill", dag.graph(config)) == \
-        ["distill", "encode_distilled", "train", "decode", "score"]
+        ["distill", "encode_distilled", "student", "decode", "score"]
     # The switch moves the student and what reads it, never the teacher or the data.
     for stage in ("prepare", "vocab", "encode", "teacher"):
         assert dag.stage_key(off, stage) == dag.stage_key(config, stage)
-    for stage in ("train", "decode", "score"):
+    for stage in ("student", "decode", "score"):
         assert dag.stage_key(off, stage) != dag.stage_key(config, stage)
     # Off, the student's key is what it was before distillation was a stage.
-    assert dag.stage_key(off, "train") == config_lib.stable_hash({
-        "stage": "train",
-        "sections": {name: off.section_hash(name) for name in ("train", "seed")},
+    assert dag.stage_key(off, "student") == config_lib.stable_hash({
+        "stage": "student",
+        "sections": {name: off.section_hash(name) for name in ("student", "seed")},
         "inputs": {name: dag.stage_key(off, name) for name in ("prepare", "vocab", "encode")}})
     # A distill setting changes the distilled data and the student, not the teacher; it
     # changes nothing when distillation is off.
     beam8 = config.replace(distill=config_lib.DistillConfig(beam_size=8))
     assert dag.stage_key(beam8, "teacher") == dag.stage_key(config, "teacher")
     assert dag.stage_key(beam8, "encode_distilled") != dag.stage_key(config, "encode_distilled")
-    assert dag.stage_key(beam8, "train") != dag.stage_key(config, "train")
+    assert dag.stage_key(beam8, "student") != dag.stage_key(config, "student")
     off8 = off.replace(distill=config_lib.DistillConfig(enabled=False, beam_size=8))
-    assert dag.stage_key(off8, "train") == dag.stage_key(off, "train")
+    assert dag.stage_key(off8, "student") == dag.stage_key(off, "student")
     with pytest.raises(config_lib.ConfigError, match="not part of this config's run"):
         plan.plan(off, only="distill")
 
@@ -111,8 +111,8 @@ def test_from_force_and_only_select_stages(config):
     graph = dag.graph(config)
     for stage in plan.topological_order(graph):
         write_fake_artifact(config, stage)
-    assert [s.stage for s in plan.plan(config, from_stage="train") if s.run] == \
-        plan.downstream("train", graph)
+    assert [s.stage for s in plan.plan(config, from_stage="student") if s.run] == \
+        plan.downstream("student", graph)
     assert [s.stage for s in plan.plan(config, force=["vocab"]) if s.run] == \
         plan.downstream("vocab", graph)
     only = plan.plan(config, only="vocab")

@@ -26,7 +26,7 @@ def config(tiny_workdir):
 
 def test_every_stage_runs_in_order_and_publishes(config):
     ensure(config, "prepare", "vocab")  # the session's; test_prepare and test_vocab run them
-    for stage in ("prepare", "vocab", "encode", "teacher", "train"):
+    for stage in ("prepare", "vocab", "encode", "teacher", "student"):
         artifact = (artifacts.read(dag.output_uri(config, stage)) if stage in ("prepare", "vocab")
                     else run_stage(stage, config))
         assert artifact.uri == dag.output_uri(config, stage)
@@ -38,7 +38,7 @@ def test_every_stage_runs_in_order_and_publishes(config):
     for search in ("greedy", "beam4"):  # the published Multi30k figures' metric, beside ours
         assert "bleu_tok_lc" in teacher.manifest["metrics"]["dev_final"][search]
     assert {"bleu", "bleu_tok_lc"} <= set(teacher.manifest["metrics"]["dev"])
-    student = artifacts.read(dag.output_uri(config, "train"))
+    student = artifacts.read(dag.output_uri(config, "student"))
     assert student.manifest["inputs"]["encode"] == dag.output_uri(config, "encode")
     assert student.manifest["counts"]["steps"] == 2  # phase 2's own step count
     assert {"bleu", "bleu_tok_lc", "loss", "length_accuracy"} <= set(
@@ -50,9 +50,9 @@ def test_the_student_can_start_from_the_teacher(config, caplog):
     ensure(config, "prepare", "vocab")
     run_stage("encode", config)
     run_stage("teacher", config)  # the session's, if the test above ran
-    warm = config.replace(train=dataclasses.replace(config.train, init_from_teacher=True))
+    warm = config.replace(student=dataclasses.replace(config.student, init_from_teacher=True))
     with caplog.at_level(logging.INFO, logger="model"):
-        student = run_stage("train", warm)
+        student = run_stage("student", warm)
     assert student.manifest["inputs"]["teacher"] == dag.output_uri(config, "teacher")
     assert re.search(r"initialised \d+ of \d+ parameter arrays from the teacher", caplog.text)
 

@@ -40,8 +40,8 @@ def tiny_config(workdir, *overrides: str) -> config_lib.Config:
         "encode.num_shards=1",
         f"teacher.model={TINY_MODEL}", f"teacher.loop={TINY_LOOP}", "teacher.steps=3",
         "teacher.optimizer.warmup_steps=1",
-        f"train.model={TINY_MODEL}", f"train.loop={TINY_LOOP}", "train.phase1_steps=2",
-        "train.phase2_steps=2", "train.optimizer.warmup_steps=1",
+        f"student.model={TINY_MODEL}", f"student.loop={TINY_LOOP}", "student.phase1_steps=2",
+        "student.phase2_steps=2", "student.optimizer.warmup_steps=1",
         # Few sources share a length here: small batches waste fewer filler rows.
         "distill.batch_size=8",
         *overrides,
@@ -77,7 +77,7 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
                          config=dag.section_values(config, stage),
                          config_yaml=config_lib.dump(config), inputs=inputs) as out:
         manager = checkpoints.open_manager(
-            out.path("checkpoints", *(("phase2",) if stage == "train" else ())),
+            out.path("checkpoints", *(("phase2",) if stage == "student" else ())),
             best_metric=config.section(stage).loop.best_metric)
         state = train.TrainState(step=jnp.array(1, jnp.int32), params=params,
                                  opt_state={"count": jnp.zeros((), jnp.int32)},
