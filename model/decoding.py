@@ -435,6 +435,17 @@ def refine(
     return _choose(state.tokens, state.token_log_probs, state.passes, lengths, batch_size)
 
 
+def predict_refined(model: NARModel, params: Params, batch: dict[str, jax.Array], *,
+                    max_iterations: int) -> jax.Array:
+    """`refine` of a batch at its own target width from the most likely length: the
+    decoding a student's dev BLEU is measured with during training (the test set's PaDIR-k
+    with one length candidate, in one jittable call). Returns int32[B, T]."""
+    width = batch["target"].shape[1]
+    candidates = predict_candidates(model, params, batch["source"], num_length_candidates=1,
+                                    length_offsets=(0,), max_len=width)
+    return refine(model, params, candidates, width=width, max_iterations=max_iterations).tokens
+
+
 # --- Mask-Predict ---------------------------------------------------------------------
 
 

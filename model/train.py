@@ -52,7 +52,7 @@ from components.config import (
 )
 from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
-from model import checkpoints, sharding
+from model import checkpoints, decoding, sharding
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +212,13 @@ def compile_steps(
     state_shardings: TrainState,
     batch_sharding: NamedSharding,
     ema_decay: Optional[float] = None,
+    predict: Optional[Callable[[Any, Batch], jax.Array]] = None,
     **loss_options: Any,
 ) -> CompiledSteps:
-    """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` with explicit
-    shardings: state as laid out, batches split over their mesh axes, metrics replicated.
-    Each compiles once per distinct batch shape (one per length bucket)."""
+    """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` (of `predict`,
+    default `model.predict_batch`) with explicit shardings: state as laid out, batches split
+    over their mesh axes, metrics replicated. Each compiles once per distinct batch shape
+    (one per length bucket)."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     jit_train_step = jax.jit(
         functools.partial(train_step, model=model, tx=tx, ema_decay=ema_decay, **loss_options),
@@ -230,7 +232,7 @@ def compile_steps(
         out_shardings=replicated,
     )
     jit_predict = jax.jit(
-        model.predict_batch,
+        predict or model.predict_batch,
         in_shardings=(state_shardings.params, batch_sharding),
         out_shardings=batch_sharding,
     )
@@ -459,6 +461,8 @@ class RunSpec:
       warm_start: fresh parameters -> the parameters to start from, when this run has no
         checkpoint of its own and no `init_checkpoint` (e.g. the teacher's where they fit,
         model/warm_start.py).
+      predict: (params, dev batch) -> int32[B, T] ids, the decoding whose dev BLEU is
+        reported and selects the best checkpoint; None: `model.predict_batch`.
       log_dir: TensorBoard event files (process 0 only); None: none.
       deadline: a `time.monotonic()` value: past it, the run checkpoints and stops.
     """
@@ -471,6 +475,7 @@ class RunSpec:
     loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     init_checkpoint: Optional[str] = None
     warm_start: Optional[Callable[[Any], Any]] = None
+    predict: Optional[Callable[[Any, Batch], jax.Array]] = None
     log_dir: Optional[str] = None
     deadline: Optional[float] = None
 
@@ -511,7 +516,7 @@ def train(model: Any, data: TrainData, run: RunSpec, mesh: MeshConfig,
                 run=run, data=data, dev=_dev_set(data, state),
                 steps=compile_steps(model, tx, placement.state_shardings,
                                     placement.batch_sharding, ema_decay=run.optimizer.ema_decay,
-                                    **run.loss_options),
+                                    predict=run.predict, **run.loss_options),
                 batch_sharding=placement.batch_sharding, schedule=schedule, manager=manager,
                 stop_signal=stop_signal, is_main=jax.process_index() == 0)
             return _run(context, state, position)
@@ -742,6 +747,11 @@ def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshCon
     return train(model, data, run, mesh)
 
 
+# The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's
+# headline figure decodes with), not of a single pass.
+STUDENT_DEV_ITERATIONS = 4
+
+
 def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshConfig, *,
                   checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
                   warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
@@ -752,12 +762,15 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
     budgets both phases together. As for the teacher, the caller builds `model` with
     `cfg.label_smoothing`. `warm_start` (RunSpec) starts phase 1, e.g. from the teacher.
+    Dev BLEU is of `decoding.predict_refined` at STUDENT_DEV_ITERATIONS passes.
     """
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
         loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
-        deadline=_deadline(cfg.loop), warm_start=warm_start)
+        deadline=_deadline(cfg.loop), warm_start=warm_start,
+        predict=functools.partial(decoding.predict_refined, model,
+                                  max_iterations=STUDENT_DEV_ITERATIONS))
     result = train(model, data, phase1, mesh)
     if not result.completed or cfg.phase2_steps == 0:
         return result

@@ -271,6 +271,17 @@ def test_decoders_on_a_trained_model_emit_valid_sequences(trained, name):
     assert accuracy >= 0.75, (name, accuracy, result.tokens)
 
 
+def test_predict_refined_is_the_test_decoding_with_one_length_candidate(trained):
+    """What the student's dev BLEU reads during training equals PaDIR-4 at one candidate."""
+    model, params, _ = trained
+    dev = jax.jit(functools.partial(decoding.predict_refined, model, max_iterations=4))(
+        params, BATCH)
+    result = _decode(decoding.refine, model, params, BATCH["source"], num_length_candidates=1,
+                     length_offsets=(0,), max_iterations=4, width=BATCH["target"].shape[1])
+    np.testing.assert_array_equal(dev, result.tokens)
+    np.testing.assert_array_equal(dev, BATCH["target"])  # the memorised pairs
+
+
 # --- width from the predicted lengths ----------------------------------------------------
 
 WIDE = dataclasses.replace(CONFIG, max_source_len=25, max_target_len=24)

@@ -235,11 +235,14 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
                         phase2_steps=2, num_stages=2, remask_stutter=True)
     model = PaDIRModel(cfg.model, toy.VOCAB, first_real_id=6,
                        label_smoothing=cfg.label_smoothing)
+    dev = toy.dev_batches()
     result = train.train_student(
-        model, toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=toy.dev_batches()),
+        model, toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
+                        detokenize=_detokenize, references=_references(dev)),
         cfg, MeshConfig(), checkpoint_dir=str(tmp_path / "student"), seed=0,
     )
     assert result.completed and int(result.state.step) == 2
+    assert "bleu" in result.dev_metrics and "bleu_tok_lc" in result.dev_metrics
     # phase 2 continued phase 1's data stream: positions 3, 4 after phase 1's 1, 2
     assert result.position == 4
     assert {"loss_stage2", "length_accuracy"} <= set(result.dev_metrics)
