@@ -84,6 +84,12 @@ class TrainState:
         """What is evaluated, checkpointed for readers and published: the average if kept."""
         return self.params if self.ema_params is None else self.ema_params
 
+    def start_from(self, params: Any) -> "TrainState":
+        """This fresh state with `params` (a warm start or an init checkpoint's) trained on
+        and, if an average is kept, averaged from."""
+        return self.replace(params=params,
+                            ema_params=None if self.ema_params is None else params)
+
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """Linear warmup to the peak over `warmup_steps`, then rsqrt or cosine decay.
@@ -536,9 +542,7 @@ def _restore_or_init(manager, placement: Placement, run: RunSpec,
         return restored.state, position
     state = placement.create_state(run.seed)
     if run.init_checkpoint is None and run.warm_start is not None:
-        params = run.warm_start(state.params)
-        return state.replace(params=params,
-                             ema_params=None if state.ema_params is None else params), 0
+        return state.start_from(run.warm_start(state.params)), 0
     if run.init_checkpoint is None:
         log.info("training from scratch")
         return state, 0
@@ -548,8 +552,7 @@ def _restore_or_init(manager, placement: Placement, run: RunSpec,
     position = saved_position.resume_at(batch_sizes, f"step {step} of {run.init_checkpoint}")
     log.info("initialised from step %d of %s (data position %d)",
              step, run.init_checkpoint, position)
-    return state.replace(params=params,
-                         ema_params=None if state.ema_params is None else params), position
+    return state.start_from(params), position
 
 
 def _dev_set(data: TrainData, state: TrainState) -> Optional[DevSet]:
