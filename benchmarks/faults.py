@@ -174,7 +174,8 @@ def differences(stage: str, want: str, got: str) -> list[str]:
 
 def truncated(stage: str, want: str, got: str) -> list[str]:
     """Paths that `got` lacks, or holds at another size (JSON lines: record count) than
-    `want`: what a partial output shows (content that only differs as `differences` finds it is a determinism matter)."""
+    `want`: what a partial output shows (content that only differs as `differences` finds
+    it is a determinism matter)."""
     training = stage in TRAINING_STAGES
     skip = MEASURED_FILES.get(stage, ()) + (artifacts.MANIFEST,) + (
         ("checkpoints/*",) if training else ())
@@ -189,7 +190,8 @@ def truncated(stage: str, want: str, got: str) -> list[str]:
     have = sizes(got)
     short = sorted(path for path, size in sizes(want).items() if have.get(path) != size)
     if training:  # orbax names its data files at random: a checkpoint is whole if its arrays are
-        short += [path for path in differences(stage, want, got) if path.startswith("checkpoints/")]
+        short += _checkpoint_differences(os.path.join(want, "checkpoints"),
+                                         os.path.join(got, "checkpoints"))
     return short
 
 
