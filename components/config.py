@@ -649,6 +649,10 @@ def expand_env(text: str, where: str = "") -> str:
     return _ENV_VAR.sub(substitute, text)
 
 
+# Floats that PyYAML (YAML 1.1) reads as strings: an exponent without a dot, e.g. 2e-3.
+_YAML11_EXPONENT = re.compile(r"[-+]?(\d+|\d*\.\d+)[eE][-+]?\d+")
+
+
 def _convert(value: Any, annotation: Any, where: str, expand: bool = True) -> Any:
     """Checks `value` against a type annotation and converts it (lists to tuples, ...)."""
     origin = typing.get_origin(annotation)
@@ -677,6 +681,8 @@ def _convert(value: Any, annotation: Any, where: str, expand: bool = True) -> An
             raise ConfigError(f"{where}: expected a mapping, got {_short(value)}")
         return from_dict(annotation, value, where)
     if annotation is float:
+        if isinstance(value, str) and _YAML11_EXPONENT.fullmatch(value):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 2e-3 as a string; YAML 1.2 does not
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {_short(value)}")
         return float(value)

@@ -52,6 +52,8 @@ def test_unknown_key_names_the_key(tmp_path, override, key):
     ("prepare.max_chars=1.5", "prepare.max_chars", "an integer"),
     ("prepare.deduplicate=1", "prepare.deduplicate", "true/false"),
     ("prepare.max_length_ratio=[1]", "prepare.max_length_ratio", "a number"),
+    ("prepare.max_length_ratio=2e", "prepare.max_length_ratio", "a number"),
+    ("prepare.max_chars=1e3", "prepare.max_chars", "an integer"),
     ("beam.options=--flag", "beam.options", "a list"),
     ("data.train=3", "data.train", "a mapping"),
     ("vocab.model_type=wordpiece", "vocab.model_type", "one of"),
@@ -69,7 +71,9 @@ def test_set_overrides_scalars_nested_keys_and_lists(tmp_path):
         "beam.options=[--direct_num_workers=2, --direct_running_mode=multi_threading]",
         "data.test=[{name: test2016, corpus: {source: t.en, target: t.de}}]",
         "data.max_train_pairs=null",
+        "teacher.optimizer.learning_rate=2e-3",  # PyYAML reads it as a string
     ])
+    assert config.teacher.optimizer.learning_rate == 0.002
     assert config.seed == 3
     assert config.prepare.max_length_ratio == 2.0 and isinstance(
         config.prepare.max_length_ratio, float)
