@@ -8,7 +8,10 @@ AR greedy and AR beam search (components/report.py defines them), then the headl
 focus method (PaDIR at 4 iterations) against both, and where a sentence's time goes at
 batch 1 (medians): the encoder call (PaDIR: encoder + length head), the search (passes or
 AR steps), the host between the two (PaDIR: reading the lengths, choosing the width), the
-passes or steps, the cost of one, and the output width.
+passes or steps, the cost of one, and the output width. With `--pass-profile`, one PaDIR pass
+and one AR greedy step part by part (`pass_profile`, `ar_step_profile`): the network (split
+into attention, MLP and the output projection), the reading of the logits, acceptance and
+loop bookkeeping, on the sentence of the median output width.
 
 Measurement: model/inference.py's Translator (jitted, static shapes; every shape is run
 once untimed before it is timed; the time is the jitted call until block_until_ready). The
@@ -22,7 +25,7 @@ with a note.
     PADIR_DATA_ROOT=/path/to/data python benchmarks/decode_speed.py \\
         [--config configs/multi30k_en_de.yaml] [--set k=v ...] [--max-sentences 20] \\
         [--methods ar_greedy,ar_beam4,padir_4] [--focus padir_4] [--batch-size 64] \\
-        [--json report.json]
+        [--json report.json] [--pass-profile]
 
 Other models or settings through `--set`: `--set workdir=/elsewhere` reads the artifacts
 of another run of the config; `--set 'decode.methods=[{"name": "p", "kind": "padir",
@@ -32,20 +35,28 @@ of another run of the config; `--set 'decode.methods=[{"name": "p", "kind": "pad
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Any, Callable, Optional, Sequence
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 from apache_beam.ml.inference.base import PredictionResult
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from components import artifacts, corpus, dag, report  # noqa: E402
 from components import config as config_lib  # noqa: E402
-from model import inference  # noqa: E402
+from components import records as records_lib  # noqa: E402
+from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID  # noqa: E402
+from model import decoding, inference, transformer  # noqa: E402
+from model.models import PaDIRModel, masked_hypothesis  # noqa: E402
 from pipelines import decode  # noqa: E402
 
 
@@ -60,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int,
                         help="of the throughput pass (default: decode.throughput_batch_size)")
     parser.add_argument("--json", metavar="PATH", help="also write the report JSON here")
+    parser.add_argument("--pass-profile", action="store_true",
+                        help="also time one PaDIR pass and one AR greedy step part by part")
+    parser.add_argument("--profile-calls", type=int, default=30,
+                        help="timed calls per part of --pass-profile (medians)")
     return parser.parse_args(argv)
 
 
@@ -121,6 +136,413 @@ def print_breakdown(translations: dict[str, list]) -> None:
         print(line)
 
 
+# --- one pass, part by part (--pass-profile) ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One row of a profile.
+
+    `seconds`: the median of a jitted call less the median of an empty jitted call with the
+    same arguments (its dispatch), divided by what the call repeats (applications, steps),
+    or, for a `residual` row, a difference of such times (its name says which).
+    `call_seconds`: the call's median as measured, divided alike (None for a residual).
+    `level` 0 rows add up to the whole; level 1 rows split the level 0 row above.
+    """
+
+    name: str
+    seconds: float
+    call_seconds: Optional[float] = None
+    mflop: Optional[float] = None  # XLA's flop count of the call, where it reports one
+    level: int = 0
+    residual: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A pass (or step) part by part: `parts` add up to `whole` at level 0."""
+
+    title: str
+    unit: str  # "pass" or "step": the share column is of one
+    parts: list[Part]
+    whole: Part
+    dispatch_seconds: float  # an empty jitted call with the whole's arguments
+    notes: list[str]
+
+
+def _empty(*args):
+    return jnp.zeros((), jnp.int32)
+
+
+_EMPTY = jax.jit(_empty, keep_unused=True)  # dispatch only: the same arguments, no work
+
+
+def _median_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
+    """Median seconds of each jitted call until `block_until_ready`, after one untimed call
+    that compiles it; interleaved call by call, round after round, so that a change in the
+    machine's load touches every part alike."""
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (fn, args) in calls.items():
+            started = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _mflop(fn: Callable, args: tuple) -> Optional[float]:
+    """XLA's flop count of a jitted call (a while loop's body counted once), in millions."""
+    try:
+        cost = fn.lower(*args).compile().cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no figure
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = (cost or {}).get("flops")
+    return None if flops is None or flops < 0 else flops / 1e6
+
+
+def _measure(calls: dict[str, tuple[Callable, tuple]], repeats: int
+             ) -> tuple[dict[str, Part], dict[str, float]]:
+    """Each call and an empty call with its arguments, interleaved: (name -> Part, named by
+    its key for now; name -> the median of its empty call)."""
+    timed = dict(calls)
+    for name, (_, args) in calls.items():
+        timed[f"{name}/empty"] = (_EMPTY, args)
+    medians = _median_calls(timed, repeats)
+    parts = {name: Part(name, medians[name] - medians[f"{name}/empty"], medians[name],
+                        _mflop(fn, args))
+             for name, (fn, args) in calls.items()}
+    return parts, {name: medians[f"{name}/empty"] for name in calls}
+
+
+def _renamed(part: Part, name: str, *, level: int = 0, times: int = 1) -> Part:
+    return dataclasses.replace(
+        part, name=name, level=level, seconds=times * part.seconds,
+        call_seconds=None if part.call_seconds is None else times * part.call_seconds,
+        mflop=None if part.mflop is None else times * part.mflop)
+
+
+CHAIN = 8  # applications of a sub-block per timed call (`_chained`)
+SPLIT = ("self_attention", "positional_attention", "cross_attention", "mlp", "projection")
+
+
+def _chained(apply: Callable, chain: int = CHAIN) -> Callable:
+    """`apply(p, x, *rest)` run `chain` times in one jitted loop, each application on the
+    previous one's output (or, where the output has another shape, on x shifted by one of
+    its values) and with its other float inputs shifted by that value: nothing in it stays
+    fixed across applications, so the loop computes everything every time (as one pass
+    does), and the fixed cost of a call is shared by `chain` applications."""
+    def run(p, x, *rest):
+        out = jax.eval_shape(apply, p, x, *rest)
+
+        def body(_, carry):
+            x, rest, _ = carry
+            out = apply(p, x, *rest)
+            shift = out[(0,) * out.ndim].astype(x.dtype)
+            rest = tuple(r + shift.astype(r.dtype) if jnp.issubdtype(r.dtype, jnp.floating)
+                         else r for r in rest)
+            return (out if out.shape == x.shape else x + shift), rest, out
+
+        start = (x, tuple(rest), jnp.zeros(out.shape, out.dtype))
+        return jax.lax.fori_loop(0, chain, body, start)[2]  # the last output: all are live
+
+    return jax.jit(run)
+
+
+def _network_split(model: PaDIRModel, params: Any, encoded: jax.Array, memory_mask: jax.Array,
+                   valid: jax.Array) -> dict[str, tuple[Callable, tuple]]:
+    """The sub-blocks of the decoder, each the model's own Flax module on the parameters of
+    decoder layer 0 (every layer has the same shapes), applied `CHAIN` times in one call
+    (`_chained`): its attention sublayers (their key and value projections included), its
+    MLP, and the tied output projection with the non-target mask."""
+    cfg = model.config
+    rows, width = valid.shape
+    layer = params["decoder"]["layer_0"]
+    x = jax.random.normal(jax.random.key(0), (rows, width, cfg.d_model)).astype(cfg.dtype)
+    table = params["decoder"]["pos_embedding"][:width].astype(cfg.dtype)
+    positions = jnp.broadcast_to(table, (rows, width, cfg.d_model))
+    self_mask = nn.make_attention_mask(valid, valid)  # [N, 1, T, T]
+    cross_mask = nn.make_attention_mask(valid, memory_mask)  # [N, 1, T, S]
+
+    def attention(name, inputs):  # inputs(x, other) -> (query, key, value)
+        module = transformer._attention(cfg, name)
+
+        def apply(p, x, other, mask):
+            q, k, v = inputs(x, other)
+            return module.apply({"params": p}, q, inputs_k=k, inputs_v=v, mask=mask)
+
+        return _chained(apply)
+
+    calls = {"self_attention": (attention("self_attention", lambda x, _: (x, x, x)),
+                                (layer["self_attention"], x, x, self_mask))}
+    if "positional_attention" in layer:  # where to read by position, what to read the tokens
+        calls["positional_attention"] = (
+            attention("positional_attention", lambda x, pos: (pos, pos, x)),
+            (layer["positional_attention"], x, positions, self_mask))
+    calls["cross_attention"] = (
+        attention("cross_attention", lambda x, memory: (x, memory, memory)),
+        (layer["cross_attention"], x, encoded, cross_mask))
+    mlp = transformer.MlpBlock(cfg)
+    calls["mlp"] = (_chained(lambda p, h: mlp.apply({"params": p}, h, True)), (layer["mlp"], x))
+
+    def projection(embedding, y):  # transformer._output_logits, then pass_logits's mask
+        logits = jnp.dot(y, embedding.T.astype(y.dtype)) * cfg.d_model**-0.5
+        return transformer.mask_non_target_ids(logits.astype(jnp.float32))
+
+    calls["projection"] = (_chained(projection),
+                           (params["token_embedding"]["embedding"], x))
+    return calls
+
+
+def pass_profile(model: decoding.NARModel, params: Any, source: Any, *, max_len: int,
+                 num_length_candidates: int = 1, length_offsets: Sequence[int] = (0,),
+                 repeats: int = 30) -> Profile:
+    """One PaDIR refinement pass over a batch's candidates, part by part.
+
+    The batch (`source` int32[B, S]) is encoded and its candidates picked as
+    `decoding.predict_candidates` does; the width is `decoding.output_width` of them. Then,
+    each as its own jitted call on the first pass's inputs (the all-[MASK] hypothesis):
+    the network (`model.pass_logits` on `model.decoder_memory`), the reading of its logits
+    (`decoding.read_logits`), the acceptance (`decoding.accept_predictions`), the loop
+    (`decoding.refine_loop` for one pass on the given logits), and `decoding.refine` at one
+    pass, the whole. What the loop has beyond reading and acceptance is the state update and
+    the while loop; what `refine` has beyond network and loop is its set-up (candidate rows,
+    initial hypothesis) and the choice of a candidate. For a `PaDIRModel`, the network is
+    split by timing decoder layer 0's attention sublayers and MLP (times the layers) and
+    the output projection, each alone and per application (`_chained`); the rest
+    (embedding, norms, residuals, masks, and the fixed cost of a call that an empty call
+    does not have) is what the network has beyond them. At one pass, what later passes
+    reuse (the cross-attention keys and values, the masks, the positional-attention
+    weights) is computed once in every call; a note gives `refine` at two passes less one,
+    a later pass inside the loop. The initial hypothesis is [MASK] whatever the method's
+    `init`. Each time is a median of `repeats` calls less an empty call's (see `Part`).
+    """
+    candidates = decoding.predict_candidates(
+        model, params, jnp.asarray(source, jnp.int32),
+        num_length_candidates=num_length_candidates, length_offsets=tuple(length_offsets),
+        max_len=max_len)
+    width = decoding.output_width(candidates.lengths, max_len)
+    per_sentence = candidates.lengths.shape[1]
+    lengths = candidates.lengths.reshape(-1)  # [N]
+    encoded, memory_mask = jax.tree.map(lambda x: jnp.repeat(x, per_sentence, axis=0),
+                                        (candidates.encoded, candidates.memory_mask))
+    initial = masked_hypothesis(lengths, width)  # [N, T]: MASK, EOS, PAD
+    valid, content = initial != PAD_ID, initial == MASK_ID
+    memory = model.decoder_memory(params, encoded, memory_mask, valid)
+    network = jax.jit(model.pass_logits)
+    logits = network(params, memory, initial)
+    read = jax.jit(decoding.read_logits)
+    reading = read(logits)
+
+    def loop(logits, initial, lengths):
+        return decoding.refine_loop(lambda hypothesis: logits, initial, lengths, 1)
+
+    def refine(passes):
+        return jax.jit(lambda p, c: decoding.refine(model, p, c, width=width,
+                                                    max_iterations=passes))
+
+    calls = {
+        "network": (network, (params, memory, initial)),
+        "read": (read, (logits,)),
+        "accept": (jax.jit(decoding.accept_predictions), (reading.prediction, initial, content)),
+        "loop": (jax.jit(loop), (logits, initial, lengths)),
+        "refine1": (refine(1), (params, candidates)),
+        "refine2": (refine(2), (params, candidates)),
+    }
+    split = isinstance(model, PaDIRModel)
+    if split:
+        calls.update(_network_split(model, params, encoded, memory_mask, valid))
+    measured, dispatch = _measure(calls, repeats)
+    for name in SPLIT if split else ():  # per application; XLA counts a loop body once
+        if name in measured:
+            part = measured[name]
+            measured[name] = dataclasses.replace(part, seconds=part.seconds / CHAIN,
+                                                 call_seconds=part.call_seconds / CHAIN)
+    layers = getattr(model.config, "num_decoder_layers", 1)
+    net = measured["network"]
+    parts = [_renamed(net, "network: decoder forward (pass_logits)")]
+    if split:
+        attention = [n for n in SPLIT[:3] if n in measured]
+        per_layer = ", ".join(f"{n.split('_')[0]} {1e3 * measured[n].seconds:.3f}"
+                              for n in attention)
+        inner = [
+            _renamed(Part("attention", sum(measured[n].seconds for n in attention),
+                          sum(measured[n].call_seconds for n in attention),
+                          _sum_or_none(measured[n].mflop for n in attention)),
+                     f"attention, layer 0 x {layers} (per layer ms: {per_layer})",
+                     level=1, times=layers),
+            _renamed(measured["mlp"], f"MLP, layer 0 x {layers}", level=1, times=layers),
+            _renamed(measured["projection"], "output projection to the vocabulary + mask",
+                     level=1),
+        ]
+        parts += inner + [Part("rest: embedding, norms, residuals, masks, the call's own cost "
+                               "(the difference)",
+                               net.seconds - sum(p.seconds for p in inner), level=1,
+                               residual=True)]
+    read_part, accept_part, loop_part = measured["read"], measured["accept"], measured["loop"]
+    parts += [
+        _renamed(read_part, "reading the logits (read_logits: argmax, exp-sum, scores)"),
+        _renamed(accept_part, "acceptance (accept_predictions)"),
+        Part("state update and while loop (refine_loop on given logits, less the two above)",
+             loop_part.seconds - read_part.seconds - accept_part.seconds, residual=True),
+    ]
+    whole = _renamed(measured["refine1"], "refine at 1 pass (one call)")
+    parts.append(Part("refine's set-up and choice of a candidate (the difference)",
+                      whole.seconds - net.seconds - loop_part.seconds, residual=True))
+    notes = []
+    two = jax.device_get(calls["refine2"][0](params, candidates).passes)
+    if int(np.max(two)) == 2:
+        later = measured["refine2"].seconds - whole.seconds
+        notes.append(f"a later pass inside the loop (refine at 2 passes less 1): "
+                     f"{1e3 * later:.3f} ms (what passes reuse is computed once, before it)")
+    sentences, rows = candidates.lengths.shape[0], int(lengths.shape[0])
+    title = (f"one PaDIR pass: {sentences} sentence(s), {num_length_candidates} x "
+             f"{tuple(length_offsets)} candidates = {rows} row(s) of width {width}, "
+             f"{layers} decoder layers")
+    return Profile(title, "pass", parts, whole, dispatch["refine1"], notes)
+
+
+def _sum_or_none(values) -> Optional[float]:
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
+                    repeats: int = 30) -> Profile:
+    """One AR greedy step (`ARModel.greedy` into `max_len` cache slots), part by part.
+
+    Per step, over the steps greedy runs on `source` (until every row has emitted EOS),
+    each a jitted call of that many steps: the greedy call (its cache set-up included); a
+    bare loop that only runs the cached decoder step and its argmax (the network as in the
+    loop: the cross-attention keys and values are computed once, before it); a loop of
+    argmaxes over one step's logits. The network is the bare loop less the argmax loop;
+    the bookkeeping (done flags, writing the tokens, the loop condition, the cache set-up)
+    greedy less the bare loop. Times less an empty call's, divided by the steps.
+    """
+    source = jnp.asarray(source, jnp.int32)
+    encoded, memory_mask = jax.jit(model.encode)(params, source)
+    greedy = jax.jit(lambda p, e, m: model.greedy(p, e, m, max_len))
+    tokens = np.asarray(jax.device_get(greedy(params, encoded, memory_mask)))
+    ends = [list(row).index(EOS_ID) + 1 if EOS_ID in row else max_len for row in tokens]
+    steps = max(ends)
+    cache = jax.jit(lambda p, e, m: model.init_cache(p, e, m, max_len))(
+        params, encoded, memory_mask)
+    start = jnp.full((source.shape[0], 1), BOS_ID, jnp.int32)
+
+    def bare(p, e, m, cache, ids):
+        step = model.make_tokens_to_logits(p, e, m)
+
+        def body(_, carry):
+            ids, cache = carry
+            logits, cache = step(ids, cache)
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache
+
+        return jax.lax.fori_loop(0, steps, body, (ids, cache))[0]
+
+    def argmaxes(logits, ids):  # the loop's argmax alone: each depends on the last one
+        def body(_, ids):
+            masked = jnp.where(ids == -1, 0.0, logits)  # never true; XLA cannot know it
+            return jnp.argmax(masked, axis=-1).astype(jnp.int32)[:, None]
+
+        return jax.lax.fori_loop(0, steps, body, ids)
+
+    step_logits = jax.jit(lambda p, e, m, cache, ids: model.make_tokens_to_logits(p, e, m)(
+        ids, cache)[0])(params, encoded, memory_mask, cache, start)  # [B, V]
+    calls = {
+        "greedy": (greedy, (params, encoded, memory_mask)),
+        "bare": (jax.jit(bare), (params, encoded, memory_mask, cache, start)),
+        "argmax": (jax.jit(argmaxes), (step_logits, start)),
+    }
+    measured, dispatch = _measure(calls, repeats)
+    bare, argmax, greedy_call = (
+        dataclasses.replace(part, seconds=part.seconds / steps,
+                            call_seconds=part.call_seconds / steps)
+        for part in (measured["bare"], measured["argmax"], measured["greedy"]))
+    whole = dataclasses.replace(greedy_call, name=f"greedy step (greedy call / {steps} steps)")
+    parts = [
+        Part("network: one cached decoder step (bare loop less argmax loop)",
+             bare.seconds - argmax.seconds, mflop=bare.mflop, residual=True),
+        dataclasses.replace(argmax, name="next token: argmax over the vocabulary and a loop "
+                                         "iteration (a loop of argmaxes / steps)"),
+        Part("bookkeeping: done flags, token writes, loop condition, cache set-up "
+             "(greedy less bare loop)", whole.seconds - bare.seconds, residual=True),
+    ]
+    layers = getattr(model.config, "num_decoder_layers", 1)
+    title = (f"one AR greedy step: {source.shape[0]} sentence(s), {steps} steps into "
+             f"{max_len} cache slots, {layers} decoder layers")
+    return Profile(title, "step", parts, whole, dispatch["greedy"], [])
+
+
+def profile_table(profile: Profile) -> str:
+    """A profile as a markdown table: part, ms, share of a pass (or step), MFLOP."""
+    def row(part: Part) -> str:
+        share = 100 * part.seconds / profile.whole.seconds if profile.whole.seconds > 0 \
+            else None
+        name = ("- " if part.level else "") + part.name
+        return (f"| {name} | {1e3 * part.seconds:.3f} | {_fmt(share, 0, '%')} "
+                f"| {_fmt(part.mflop, 2)} |")
+
+    lines = [f"{profile.title}; medians of jitted calls, each less an empty call with its "
+             f"arguments (its dispatch; the whole call's: "
+             f"{1e3 * profile.dispatch_seconds:.3f} ms):", "",
+             f"| part | ms | share of a {profile.unit} | MFLOP |", "|---|---:|---:|---:|"]
+    lines += [row(part) for part in profile.parts] + [row(profile.whole)]
+    lines += [f"\n{note}" for note in profile.notes]
+    return "\n".join(lines)
+
+
+def _source_batch(loaded: inference.LoadedModel, text: str, boundaries: Sequence[int]
+                  ) -> tuple[np.ndarray, int]:
+    """One sentence as `Translator` feeds it: (source int32[1, S], output cap)."""
+    widest = boundaries[-1]
+    row = loaded.tokenizer.encode([text])[0][:widest - 1] + [EOS_ID]
+    source_width, max_len = records_lib.decoder_shape(len(row), boundaries)
+    source = np.full((1, source_width), PAD_ID, np.int32)
+    source[0, :len(row)] = row
+    return source, max_len
+
+
+def representative(translations: Sequence[Any], key: str = "width") -> int:
+    """The index of the first sentence whose `key` (width, or passes) is the median's
+    (the lower median: a value some sentence has)."""
+    values = [getattr(t, key) for t in translations]
+    return values.index(statistics.median_low(values))
+
+
+def print_pass_profiles(pairs: Sequence[dict], known: dict, translators: dict,
+                        translations: dict, focus: str, repeats: int) -> None:
+    """`pass_profile` of the focus PaDIR method (else the first `padir` one) on the sentence
+    of its median width, and `ar_step_profile` of the first `ar_greedy` method on the same
+    sentence (by its median steps when no PaDIR method ran)."""
+    names = list(translators)
+    padir = [n for n in [focus] + names if n in translators and known[n].kind == "padir"]
+    greedy = [n for n in names if known[n].kind == "ar_greedy"]
+    if not padir and not greedy:
+        print("\nno padir or ar_greedy method measured: no pass profile")
+        return
+    chosen = padir[0] if padir else greedy[0]
+    index = representative(translations[chosen], "width" if padir else "passes")
+    print(f"\npass profile on sentence {index} (the median {'width' if padir else 'steps'} of "
+          f"{chosen}), batch 1:\n")
+    if padir:
+        translator, method = translators[padir[0]], known[padir[0]]
+        source, max_len = _source_batch(translator.loaded, pairs[index]["source"],
+                                        translator.boundaries)
+        print(profile_table(pass_profile(
+            translator.loaded.model, translator.loaded.params, source, max_len=max_len,
+            num_length_candidates=method.num_length_candidates,
+            length_offsets=method.length_offsets, repeats=repeats)) + "\n")
+    if greedy:
+        translator = translators[greedy[0]]
+        source, max_len = _source_batch(translator.loaded, pairs[index]["source"],
+                                        translator.boundaries)
+        print(profile_table(ar_step_profile(translator.loaded.model, translator.loaded.params,
+                                            source, max_len=max_len, repeats=repeats)) + "\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = config_lib.load(args.config, args.set)
@@ -175,6 +597,8 @@ def main(argv=None) -> int:
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)
     print_breakdown(translations)
+    if args.pass_profile:
+        print_pass_profiles(pairs, known, latency, translations, args.focus, args.profile_calls)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(content, f, indent=2, ensure_ascii=False)
