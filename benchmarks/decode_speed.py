@@ -592,7 +592,8 @@ def main(argv=None) -> int:
         records = _records(pairs, in_order)
         results.append(report.score_method(name, known[name].kind, records, references,
                                            report.throughput(records, batch_size),
-                                           _records(pairs, translations[name])))
+                                           _records(pairs, translations[name]),
+                                           setting=report.describe_setting(known[name])))
     print(f"batched pass: {time.time() - started:.1f} s\n")
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)

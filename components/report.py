@@ -1,6 +1,7 @@
 """The score stage's report: quality and speed per test set and decoding method.
 
-    result = score_method("padir_4", "padir", records, references, throughput, timed)
+    result = score_method("padir_4", "padir", records, references, throughput, timed,
+                          setting=describe_setting(method))   # method: config.DecodeMethod
     report = build_report({"test2016": [result, ...]})   # JSON-able dict
     markdown = render_markdown(report)
     write_plots(report, {"test2016": {"padir_4": timed}}, out_dir)   # PNG paths
@@ -10,14 +11,16 @@
 reference of each, in the same order; `throughput` the decode manifest's figures for that
 pass; `timed` the lines of the batch-1 pass over the latency sample.
 
-Per method: sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only
-to compare with published figures that use it), stutter (components/metrics.py), latency per
-sentence at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences and tokens per
-second of decode time), mean decoder passes, and speedups over the AR baselines: the first
-method of kind `ar_greedy` and the first of kind `ar_beam`. A latency speedup is baseline
-latency / method latency per statistic (> 1: faster); a throughput speedup is method
-sentences/s / baseline sentences/s. Both were measured in one decode job, one decode at a
-time, on the same machine.
+Per method: its setting (`describe_setting`: what its kind reads of the decode config, e.g.
+"iterations 4, 1 length candidate x offsets (0)" or "beam 4, length penalty 0.6"),
+sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only to compare
+with published figures that use it), stutter (components/metrics.py), latency per sentence
+at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences
+and tokens per second of decode time), mean decoder passes, and speedups over the AR
+baselines: the first method of kind `ar_greedy` and the first of kind `ar_beam`. A latency
+speedup is baseline latency / method latency per statistic (> 1: faster); a throughput
+speedup is method sentences/s / baseline sentences/s. Both were measured in one decode job,
+one decode at a time, on the same machine.
 
 Plots (matplotlib, Agg backend, imported on use): BLEU against median latency per method,
 stutter per method, and latency against source length; one of each per test set.
@@ -32,6 +35,7 @@ import statistics
 from typing import Any, Mapping, Optional, Sequence
 
 from components import artifacts, metrics
+from components.config import DECODERS, DecodeMethod
 
 BASELINE_KINDS = ("ar_greedy", "ar_beam")
 PLOTS = ("bleu_vs_latency", "stutter", "latency_vs_length")
@@ -52,6 +56,43 @@ class MethodResult:
     throughput: Mapping[str, Any]  # the decode manifest's: sentences_per_s, tokens_per_s, ...
     mean_passes: float
     truncated: int  # sources cut to the widest length bucket
+    setting: str = ""  # describe_setting of the method ("" where unknown)
+
+
+def describe_setting(method: DecodeMethod) -> str:
+    """The settings a method's kind reads (`config.DECODERS`), in words, in that order:
+    "greedy", "beam 4, length penalty 0.6", "iterations 4, 1 length candidate x offsets (0)",
+    "2 tokens per pass by margin, 3 length candidates x offsets (-1, 0, 1)"; `init` only
+    when it is not the default [MASK] ("init random")."""
+    reads = DECODERS[method.kind].options
+    words = []
+    for option in reads:
+        value = getattr(method, option)
+        if option == "beam_size":
+            words.append(f"beam {value}")
+        elif option == "length_penalty":
+            words.append(f"length penalty {value:g}")
+        elif option == "iterations":
+            words.append(f"iterations {value}")
+        elif option == "num_length_candidates":
+            offsets = ", ".join(str(offset) for offset in method.length_offsets)
+            words.append(f"{value} length candidate{'' if value == 1 else 's'} x offsets "
+                         f"({offsets})")
+        elif option == "length_offsets":
+            if "num_length_candidates" not in reads:
+                words.append(f"offsets ({', '.join(str(offset) for offset in value)})")
+        elif option == "tokens_per_step":
+            by = f" by {method.criterion}" if "criterion" in reads else ""
+            words.append(f"{value} token{'' if value == 1 else 's'} per pass{by}")
+        elif option == "criterion":
+            if "tokens_per_step" not in reads:
+                words.append(f"criterion {value}")
+        elif option == "init":
+            if value != "mask":
+                words.append(f"init {value}")
+        else:
+            words.append(f"{option.replace('_', ' ')} {value}")
+    return ", ".join(words) or method.kind.replace("ar_", "")
 
 
 def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, Any]:
@@ -71,9 +112,11 @@ def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
 
 def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
                  references: Sequence[str], throughput: Mapping[str, Any],
-                 latency_records: Sequence[Mapping[str, Any]]) -> MethodResult:
+                 latency_records: Sequence[Mapping[str, Any]], *,
+                 setting: str = "") -> MethodResult:
     """Scores one method's decode records against their references (same order); its
-    latency comes from the records of the batch-1 pass, `latency_records`."""
+    latency comes from the records of the batch-1 pass, `latency_records`; `setting` is
+    its `describe_setting`."""
     hypotheses = [record["hypothesis"] for record in records]
     return MethodResult(
         method=method,
@@ -87,6 +130,7 @@ def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
         throughput=dict(throughput),
         mean_passes=statistics.fmean(record["passes"] for record in records),
         truncated=sum(1 for record in records if record.get("truncated")),
+        setting=setting,
     )
 
 
@@ -119,6 +163,7 @@ def result_dict(result: MethodResult, bases: Mapping[str, MethodResult]) -> dict
     return {
         "method": result.method,
         "kind": result.kind,
+        "setting": result.setting,
         "sentences": result.sentences,
         "truncated": result.truncated,
         "bleu": _score(result.bleu),
@@ -170,9 +215,12 @@ def _number(value: Optional[float], digits: int = 2, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: int = 1
+           ) -> list[str]:
+    """A markdown table: the first `text_columns` columns left-aligned, the others right."""
     lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+             "|" + "|".join("---" if i < text_columns else "---:" for i in range(len(header)))
+             + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
 
@@ -185,13 +233,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         sentences = methods[0]["sentences"] if methods else 0
         lines += [f"## {test_set} ({sentences} sentences)", "", "### Quality", ""]
         lines += _table(
-            ["method", "kind", "BLEU", "chrF", "BLEU tok+lc", "stutter (% sent.)",
+            ["method", "kind", "setting", "BLEU", "chrF", "BLEU tok+lc", "stutter (% sent.)",
              "stutter /100 words", "passes"],
-            [[m["method"], m["kind"], _number(m["bleu"]["score"]), _number(m["chrf"]["score"]),
+            [[m["method"], m["kind"], m.get("setting") or "–", _number(m["bleu"]["score"]),
+              _number(m["chrf"]["score"]),
               _number(m["bleu_tok_lc"]["score"]),
               _number(100 * m["stutter"]["sentence_rate"], 1),
               _number(m["stutter"]["per_100_words"]), _number(m["mean_passes"], 1)]
-             for m in methods])
+             for m in methods], text_columns=3)
         lines += ["", "### Speed", "",
                   f"Latency per sentence at batch 1 (ms, the first "
                   f"{methods[0]['latency_s']['count']} sentences); throughput batched "

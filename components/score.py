@@ -7,11 +7,12 @@ Contract:
           artifact's test splits (the references: the prepared target of each id, i.e. the
           raw line normalised as every split is).
   writes  `<workdir>/score/<key>/`:
-            report.json   per test set and method: BLEU, chrF, tokenised lowercased BLEU
-                          (with sacreBLEU signatures), stutter, latency at batch 1 (mean,
-                          median, p90, p99 seconds, over the latency sample), batched
-                          throughput, mean decoder passes, speedups over the AR greedy
-                          and beam baselines;
+            report.json   per test set and method: its setting (`report.describe_setting`
+                          of the config's decode.methods, which the decode artifact's key
+                          covers), BLEU, chrF, tokenised lowercased BLEU (with sacreBLEU
+                          signatures), stutter, latency at batch 1 (mean, median, p90, p99
+                          seconds, over the latency sample), batched throughput, mean
+                          decoder passes, speedups over the AR greedy and beam baselines;
             report.md     the same as tables, with the plots;
             plots/{test_set}/{bleu_vs_latency,stutter,latency_vs_length}.png
             manifest.json headline figures per test set and method.
@@ -61,6 +62,7 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     prepared = dag.require_input(config, "prepare")
     decoded = dag.require_input(config, "decode")
     facts = decoded.manifest["metrics"]
+    settings = {method.name: report.describe_setting(method) for method in config.decode.methods}
     results: dict[str, list[report.MethodResult]] = {}
     latency_records: dict[str, dict[str, list[dict]]] = {}
     for test_set in facts["test_sets"]:
@@ -75,7 +77,7 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
             latency_records[test_set][method] = timed
             results[test_set].append(report.score_method(
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],
-                timed))
+                timed, setting=settings.get(method, "")))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
     content = report.build_report(results)
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),

@@ -220,6 +220,7 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     with open(scored.path(score_stage.REPORT_MD)) as f:
         markdown = f.read()
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
+    assert "| beam2 | ar_beam | beam 2, length penalty 0.6 |" in markdown
     # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
     assert "compare with published figures" in markdown and "Multi30k" not in markdown
     for plot in report.PLOTS:
@@ -241,6 +242,40 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
     assert result.chrf.score == pytest.approx(
         sacrebleu.corpus_chrf(hypotheses, [references]).score)
     assert result.latency.median == pytest.approx(0.205)  # from the batch-1 records
+
+
+def test_the_report_names_each_methods_setting():
+    settings = {
+        DecodeMethod("g", "ar_greedy"): "greedy",
+        DecodeMethod("b", "ar_beam"): "beam 4, length penalty 0.6",
+        DecodeMethod("b8", "ar_beam", beam_size=8, length_penalty=1.0):
+            "beam 8, length penalty 1",
+        DecodeMethod("p", "padir"): "iterations 4, 1 length candidate x offsets (0)",
+        DecodeMethod("p3", "padir", iterations=10, num_length_candidates=3,
+                     length_offsets=(-1, 0, 1), init="random"):
+            "iterations 10, 3 length candidates x offsets (-1, 0, 1), init random",
+        DecodeMethod("m", "mask_predict", iterations=10):
+            "iterations 10, 1 length candidate x offsets (0)",
+        DecodeMethod("a", "adaptive", tokens_per_step=1, criterion="top_prob"):
+            "1 token per pass by top_prob, 1 length candidate x offsets (0)",
+    }
+    assert {m.name: report.describe_setting(m) for m in settings} == {
+        m.name: text for m, text in settings.items()}
+    records = [{"hypothesis": "a dog runs", "latency_s": 0.1, "passes": 2,
+                "hypothesis_tokens": 4}]
+    results = [report.score_method(m.name, m.kind, records, ["a dog runs"],
+                                   {"sentences_per_s": 10.0}, records,
+                                   setting=report.describe_setting(m)) for m in settings]
+    content = report.build_report({"test": results})
+    assert [m["setting"] for m in content["test_sets"]["test"]["methods"]] == list(
+        settings.values())
+    markdown = report.render_markdown(content)
+    assert "| method | kind | setting | BLEU |" in markdown
+    assert "| p | padir | iterations 4, 1 length candidate x offsets (0) | " in markdown
+    assert "|---|---|---|---:|" in markdown  # the text columns are left-aligned
+    # A report.json written before settings were recorded still renders.
+    del content["test_sets"]["test"]["methods"][0]["setting"]
+    assert "| g | ar_greedy | – |" in report.render_markdown(content)
 
 
 # --- padir translate ---------------------------------------------------------------------
