@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.transformer import argmax_last
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -70,7 +71,7 @@ def greedy_search(
     def body(state):
         step, tokens, last, done, cache = state
         logits, cache = tokens_to_logits(last, cache)  # [B, V]
-        next_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+        next_ids = argmax_last(logits)  # [B]
         next_ids = jnp.where(done, PAD_ID, next_ids)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_ids[:, None], step, axis=1)
         done = done | (next_ids == eos_id)

@@ -59,7 +59,7 @@ import numpy as np
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED
 from model.models import masked_hypothesis
-from model.transformer import mask_non_target_ids
+from model.transformer import argmax_last, mask_non_target_ids
 
 Params = Any
 LogitsFn = Callable[[jax.Array], jax.Array]
@@ -211,7 +211,7 @@ def read_logits(logits: jax.Array) -> PassReading:
     """float[N, T, V] logits -> PassReading (probabilities over target ids only)."""
     logits = mask_non_target_ids(logits.astype(jnp.float32))  # [N, T, V]
     real = logits[..., NUM_RESERVED:]  # [N, T, V - R]
-    index = jnp.argmax(real, axis=-1)  # [N, T]
+    index = argmax_last(real)  # [N, T]
     real_max = jnp.take_along_axis(real, index[..., None], axis=-1)[..., 0]  # [N, T]
     reserved = logits[..., :NUM_RESERVED]  # [N, T, R]
     reserved_max = jnp.max(reserved, axis=-1)  # [N, T]

@@ -15,6 +15,7 @@ from model.transformer import (
     ARTransformer,
     PaDIRTransformer,
     argmax_ids,
+    argmax_last,
     mask_non_target_ids,
     shift_right,
 )
@@ -64,6 +65,14 @@ def test_helpers():
     logits = jnp.zeros((2, VOCAB)).at[:, PAD_ID].set(5.0).at[:, MASK_ID].set(4.0).at[:, 9].set(1.0)
     np.testing.assert_array_equal(argmax_ids(logits), [9, 9])
     assert mask_non_target_ids(logits)[0, LENGTH_ID] < -1e8
+
+
+def test_argmax_last_is_jnp_argmax_ties_included():
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 3, size=(5, 7, 40)).astype(np.float32)  # many ties
+    x[0, 0] = -1e9  # all equal, as masked logits
+    np.testing.assert_array_equal(jax.jit(argmax_last)(x), np.argmax(x, axis=-1))
+    assert argmax_last(x).dtype == jnp.int32
 
 
 def test_padir_output_shapes_and_length_classifier(padir):
