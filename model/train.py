@@ -86,9 +86,9 @@ class TrainState:
 
     def start_from(self, params: Any) -> "TrainState":
         """This fresh state with `params` (a warm start or an init checkpoint's) trained on
-        and, if an average is kept, averaged from."""
-        return self.replace(params=params,
-                            ema_params=None if self.ema_params is None else params)
+        and, if an average is kept, averaged from: a copy, since the step donates both."""
+        return self.replace(params=params, ema_params=None if self.ema_params is None
+                            else jax.tree.map(lambda x: x.copy(), params))
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
