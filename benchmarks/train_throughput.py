@@ -82,8 +82,9 @@ def _count(tree, skip=()) -> int:
 
 
 def step_flops(params, cfg: ModelConfig, vocab: int, batch: int, src: int, tgt: int,
-               padir: bool, stages: int) -> tuple[float, int]:
-    """(FLOPs of one train step, parameter count); see the module docstring."""
+               padir: bool, stages: int) -> tuple[float, float, int]:
+    """(FLOPs of one train step, of which attention's QK^T and AV, parameter count); see
+    the module docstring."""
     n_enc = _count(params["encoder"], skip=("pos_embedding",))
     n_dec = _count(params["decoder"], skip=("pos_embedding",))
     src_len = src + 1 if padir else src
@@ -94,7 +95,7 @@ def step_flops(params, cfg: ModelConfig, vocab: int, batch: int, src: int, tgt: 
         per_decoder_pass += cfg.num_decoder_layers * tgt * tgt
     pairs += per_decoder_pass * stages
     attention = 12 * batch * cfg.d_model * pairs
-    return float(matmuls + attention), _count(params)
+    return float(matmuls + attention), float(attention), _count(params)
 
 
 def synthetic_batch(rng: np.random.Generator, vocab: int, batch: int, src: int, tgt: int):
@@ -118,7 +119,7 @@ def measure(name, model, num_stages, args, rng) -> dict:
         synthetic_batch(rng, args.vocab, args.batch, args.length, args.length),
         placement.batch_sharding,
     )
-    flops, num_params = step_flops(state.params, cfg, args.vocab, args.batch, args.length,
+    flops, _, num_params = step_flops(state.params, cfg, args.vocab, args.batch, args.length,
                                    args.length, padir, num_stages)
     start = time.perf_counter()
     for _ in range(2):  # compile + one warm step
