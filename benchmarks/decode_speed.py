@@ -438,14 +438,14 @@ def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
         def body(_, carry):
             ids, cache = carry
             logits, cache = step(ids, cache)
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None], cache
+            return transformer.argmax_last(logits)[:, None], cache  # as greedy picks
 
         return jax.lax.fori_loop(0, steps, body, (ids, cache))[0]
 
     def argmaxes(logits, ids):  # the loop's argmax alone: each depends on the last one
         def body(_, ids):
             masked = jnp.where(ids == -1, 0.0, logits)  # never true; XLA cannot know it
-            return jnp.argmax(masked, axis=-1).astype(jnp.int32)[:, None]
+            return transformer.argmax_last(masked)[:, None]
 
         return jax.lax.fori_loop(0, steps, body, ids)
 
