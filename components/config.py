@@ -97,7 +97,10 @@ class DataConfig:
     hashing the `carve_by` side so that all translations of one sentence land in one split:
     `target` where a corpus has several sources per target, as Tatoeba de->en has several
     German sentences per English one). Likewise a test split named "test" when `test` is
-    empty. `max_train_pairs` reads only the first N training pairs (the demo's slice).
+    empty. `max_train_pairs` reads only the first N training pairs (the demo's slice);
+    `train_sample_fraction` keeps each training line with that probability, by a hash of
+    its line number: a subset spread over the whole file, for corpora sorted by length
+    (Tatoeba) where the first N lines are the shortest.
 
     `source_lang` and `target_lang` (language codes) are required: they label the metrics,
     and a default pair would mislabel any other.
@@ -112,6 +115,7 @@ class DataConfig:
     carve_test_fraction: float = 0.02
     carve_by: Literal["source", "target"] = "source"
     max_train_pairs: Optional[int] = None
+    train_sample_fraction: float = 1.0
 
     def __post_init__(self):
         for name, side in (("source_lang", "source"), ("target_lang", "target")):
@@ -127,6 +131,8 @@ class DataConfig:
             raise ConfigError("data.carve_dev_fraction + data.carve_test_fraction must be < 1")
         if self.max_train_pairs is not None and self.max_train_pairs < 1:
             raise ConfigError("data.max_train_pairs: expected a positive integer or null")
+        if not 0.0 < self.train_sample_fraction <= 1.0:
+            raise ConfigError("data.train_sample_fraction: expected a fraction in (0, 1]")
         names = [test_set.name for test_set in self.test]
         for i, name in enumerate(names):
             # Split names become file names (`{name}-00000-of-00001.jsonl`) and id prefixes.

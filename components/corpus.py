@@ -89,6 +89,7 @@ class CorpusSpec:
     corpus: CorpusConfig
     limit: Optional[int] = None
     max_line_bytes: int = PrepareConfig.max_line_bytes
+    sample_fraction: float = 1.0  # of the lines read (`in_sample`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,15 @@ class Reject:
 
 def make_id(split: str, line: int) -> str:
     return f"{split}:{line:06d}"
+
+
+def in_sample(pair_id: str, fraction: float) -> bool:
+    """Whether a line belongs to a `fraction` sample of its corpus: a hash of its id, so the
+    sample is spread over the file, needs no global order, and the same on every run."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.sha256(f"sample\t{pair_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
 
 
 def id_sort_key(pair_id: str) -> tuple[str, int]:
@@ -183,7 +193,8 @@ def output_split(pair: Pair, *, seed: int, data: DataConfig) -> str:
 def corpus_specs(data: DataConfig, prepare: PrepareConfig) -> tuple[CorpusSpec, ...]:
     """Every corpus the stage reads, with its split of origin."""
     cap = prepare.max_line_bytes
-    specs = [CorpusSpec(TRAIN, data.train, data.max_train_pairs, cap)]
+    specs = [CorpusSpec(TRAIN, data.train, data.max_train_pairs, cap,
+                        data.train_sample_fraction)]
     if data.dev is not None:
         specs.append(CorpusSpec(DEV, data.dev, max_line_bytes=cap))
     specs.extend(CorpusSpec(t.name, t.corpus, max_line_bytes=cap) for t in data.test)

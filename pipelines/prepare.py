@@ -5,7 +5,8 @@ Contract:
   writes: `<workdir>/prepare/<key>/` with `{split}-SSSSS-of-NNNNN.jsonl` for `train`
           (`prepare.num_shards` shards), `dev` and each test set (`test` when carved), lines
           `{"id", "source", "target"}`; `rejects-00000-of-00001.jsonl` with the reason of
-          every rejected pair; `manifest.json` counts `read.<split>`, `kept.<split>`,
+          every rejected pair; `manifest.json` counts `read.<split>` (and `not_sampled.train`
+          under `data.train_sample_fraction`), `kept.<split>`,
           `rejected.<reason>` and `rejected_by_split.<split>.<reason>` (Beam counters).
   The rules (normalisation, reasons, which apply to dev/test, carving, ids) are in the
   docstring of components/corpus.py. Read the output with `components.corpus.read_split`.
@@ -50,11 +51,16 @@ NAMESPACE = "prepare"  # of the Beam counters that become the manifest's counts
 
 
 def read_corpus(spec: corpus.CorpusSpec) -> Iterator[corpus.RawPair]:
-    """All raw pairs of one corpus, counted as `read.<split>`."""
-    counter = Metrics.counter(NAMESPACE, f"read.{spec.split}")
+    """The raw pairs of one corpus in its sample, counted as `read.<split>`; the lines
+    outside `spec.sample_fraction`'s sample are counted as `not_sampled.<split>`."""
+    read = Metrics.counter(NAMESPACE, f"read.{spec.split}")
+    not_sampled = Metrics.counter(NAMESPACE, f"not_sampled.{spec.split}")
     for raw in corpus.read_pairs(spec):
-        counter.inc()
-        yield raw
+        if corpus.in_sample(raw.id, spec.sample_fraction):
+            read.inc()
+            yield raw
+        else:
+            not_sampled.inc()
 
 
 def tag_reject(reject: corpus.Reject) -> beam.pvalue.TaggedOutput:

@@ -202,6 +202,8 @@ def test_the_shipped_configs_load(monkeypatch):
     ({"train": {"tsv": "c"}, "carve_dev_fraction": 0.5, "carve_test_fraction": 0.5},
      "carve_test_fraction must be < 1"),
     ({"train": {"tsv": "c"}, "max_train_pairs": 0}, "data.max_train_pairs"),
+    ({"train": {"tsv": "c"}, "train_sample_fraction": 0.0}, "data.train_sample_fraction"),
+    ({"train": {"tsv": "c"}, "train_sample_fraction": 1.5}, "data.train_sample_fraction"),
     ({"train": {"tsv": "c"}, "carve_by": "english"}, "data.carve_by: expected one of"),
     ({"train": {"tsv": "c"}, "test": [{"name": "train", "corpus": {"tsv": "t"}}]},
      r"data.test\[0\].name"),

@@ -385,3 +385,13 @@ def test_read_split_is_sorted_by_id_and_matches_only_its_split(tmp_path, scheme)
     assert next(corpus.read_split(root, "test2016"))["source"] == "a\u2028b"
     with pytest.raises(FileNotFoundError, match="dev"):
         list(corpus.read_split(root, "dev"))
+
+
+def test_in_sample_is_a_deterministic_hash_sample_of_the_given_fraction():
+    ids = [corpus.make_id("train", n) for n in range(20_000)]
+    assert all(corpus.in_sample(i, 1.0) for i in ids)
+    sample = [i for i in ids if corpus.in_sample(i, 0.25)]
+    assert sample == [i for i in ids if corpus.in_sample(i, 0.25)]  # the same on every run
+    assert abs(len(sample) / len(ids) - 0.25) < 0.01
+    # A smaller fraction is a subset of a larger one: slices of one corpus are nested.
+    assert set(i for i in ids if corpus.in_sample(i, 0.1)) <= set(sample)

@@ -285,3 +285,32 @@ def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
     rejects = list(corpus.read_split(uri, "rejects"))
     assert rejects == [{"id": "train:000005", "split": "train", "reason": "malformed",
                         "source": "a\tstray\ttab", "target": ""}]
+
+
+def test_train_sample_fraction_keeps_a_hashed_sample_spread_over_the_file(tmp_path, capsys):
+    # Sorted short to long, as Tatoeba is: the first N lines would be the shortest only.
+    lines = [" ".join(["word"] * (1 + i // 20)) + f" {i}.\tWort {i}." for i in range(200)]
+    archive = tmp_path / "sorted.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("pairs.txt", "\n".join(lines) + "\n")
+    config_path = tmp_path / "sample.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "workdir": str(tmp_path / "work"),
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"tsv": str(archive), "member": "pairs.txt"},
+                 "carve_dev_fraction": 0.1, "carve_test_fraction": 0.1,
+                 "train_sample_fraction": 0.3},
+    }))
+
+    assert prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=1"]) == 0
+    uri = capsys.readouterr().out.strip().splitlines()[-1].split(": ")[1]
+    counts = artifacts.read(uri).manifest["counts"]
+    expected = {corpus.make_id("train", n) for n in range(200)
+                if corpus.in_sample(corpus.make_id("train", n), 0.3)}
+    assert counts["read.train"] == len(expected)
+    assert counts["read.train"] + counts["not_sampled.train"] == 200  # every line accounted
+    kept = {record["id"] for split in ("train", "dev", "test")
+            for record in corpus.read_split(uri, split)}
+    assert kept == expected
+    lines_kept = sorted(int(pair_id.split(":")[1]) for pair_id in kept)
+    assert lines_kept[0] < 50 and lines_kept[-1] >= 150  # from the whole file, not its head
