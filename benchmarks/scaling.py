@@ -1,13 +1,14 @@
 """The cost curve of the data stages: Tatoeba de->en at 10k, 40k and all 170k pairs.
 
-For each size (`data.max_train_pairs`; `all` reads the whole corpus) this runs prepare,
-vocab, encode, teacher, distill and decode on configs/tatoeba_de_en.yaml, each stage as its
-own `python -m flows.cli stage NAME CONFIG` process, as a user would start it, and prints
-per stage and size: the pairs the stage processed, the process's wall time, the stage's
-own wall time (its manifest's `wall_seconds`: without interpreter start-up and imports),
-that time per 1k pairs, the marginal time per 1k pairs from the previous size (fixed
-costs cancel out), and the process's peak RSS (`os.wait4`: the stage process and what it
-waited for; Beam's FnApiRunner runs in-process).
+For each size (a hashed sample of the corpus's lines, `data.train_sample_fraction`: the
+same share of short and long sentences at every size; `all` reads the whole corpus) this
+runs prepare, vocab, encode, teacher, distill and decode on configs/tatoeba_de_en.yaml, each
+stage as its own `python -m flows.cli stage NAME CONFIG` process, as a user would start
+it, and prints per stage and size: the pairs the stage processed, the process's wall time,
+the stage's own wall time (its manifest's `wall_seconds`: without interpreter start-up and
+imports), that time per 1k pairs, the marginal time per 1k pairs from the previous size
+(fixed costs cancel out), and the process's peak RSS (`os.wait4`: the stage process and
+what it waited for; Beam's FnApiRunner runs in-process).
 
 The teacher is fixed and cheap, and not part of the curve: a tiny model (`TINY_TEACHER`)
 trained for a few steps on each size's own vocabulary (the cost per pair is what is
@@ -15,12 +16,12 @@ measured, not quality). Its translations are poor and their lengths not a traine
 teacher's (at 10k pairs: all end with EOS, 44% fail distill's length-ratio filter), and
 the benchmark's teacher costs more per decoder step: distill and decode show how the cost
 of the search grows with the corpus, not what it is with a real teacher (`--set
-teacher.model=...` measures another). decode runs the AR methods only (no student is trained) and times every test
-sentence one at a time too (`latency_sentences: null`), so its cost is linear in the carved
-test set, which grows with the corpus. Tatoeba is sorted from short to long sentences, so a
-smaller slice holds shorter ones: the `words/pair` column (both sides, as the vocab stage
-counts them) shows by how much. At small sizes fixed costs (Beam start-up, compiling each
-decoder shape) dominate the time per 1k pairs; the marginal column is the per-pair cost.
+teacher.model=...` measures another). decode runs the AR methods only (no student is
+trained) and times every test sentence one at a time too (`latency_sentences: null`), so
+its cost is linear in the carved test set, which is a fixed share of the sample. The
+`words/pair` column (both sides, as the vocab stage counts them) shows that every size holds
+sentences of the same lengths. At small sizes fixed costs (Beam start-up, compiling each
+decoder shape) weigh on the time per 1k pairs; the marginal column is the per-pair cost.
 
     PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 40000 all
     PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 \\
@@ -42,7 +43,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from components import artifacts, dag
+from components import artifacts, corpus, dag
 from components import config as config_lib
 
 STAGES = ("prepare", "vocab", "encode", "teacher", "distill", "decode")
@@ -69,12 +70,12 @@ class StageRun:
     peak_rss_mib: float
 
 
-def size_overlay(path: str, base_config: str, workdir: str, size: Optional[int]) -> str:
+def size_overlay(path: str, base_config: str, workdir: str, fraction: float) -> str:
     """Writes the config of one size (an overlay of `base_config`) to `path`."""
     overlay = {
         "include": os.path.abspath(base_config),
         "workdir": workdir,
-        "data": {"max_train_pairs": size},
+        "data": {"train_sample_fraction": fraction},
         "vocab": {"size": VOCAB_SIZE},
         "teacher": TINY_TEACHER,
         "decode": {"methods": [{"name": "ar_greedy", "kind": "ar_greedy"},
@@ -112,11 +113,14 @@ PAIRS = {
 }
 
 
-def measure_size(size: Optional[int], args, scratch: str) -> tuple[list[StageRun], float]:
-    """Runs every stage at one size; returns its runs and the words per train pair."""
+def measure_size(size: Optional[int], lines: int, args, scratch: str
+                 ) -> tuple[list[StageRun], float]:
+    """Runs every stage at one size (of a corpus of `lines` lines); returns its runs and the
+    words per train pair."""
     label = "all" if size is None else str(size)
+    fraction = 1.0 if size is None else min(1.0, size / lines)
     config_path = size_overlay(os.path.join(scratch, f"scaling-{label}.yaml"), args.config,
-                               os.path.join(scratch, "work"), size)
+                               os.path.join(scratch, "work"), fraction)
     config = config_lib.load(config_path, args.set)
     runs, counts = [], {}
     for stage in STAGES:
@@ -157,7 +161,7 @@ def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["10000", "40000", "all"],
-                        help="training pairs read (data.max_train_pairs), or 'all'")
+                        help="corpus lines sampled (data.train_sample_fraction), or 'all'")
     parser.add_argument("--config", default="configs/tatoeba_de_en.yaml")
     parser.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -166,12 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [None if size == "all" else int(size) for size in args.sizes]
     scratch = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="padir-scaling-"))
     os.makedirs(os.path.join(scratch, "logs"), exist_ok=True)
-    print(f"scratch {scratch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
-          file=sys.stderr)
+    train = config_lib.load(args.config, args.set).data.train
+    lines = corpus.check_corpus(corpus.CorpusSpec(corpus.TRAIN, train))
+    print(f"scratch {scratch}; {lines:,} corpus lines; load average {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs", file=sys.stderr)
     results = {}
     try:
         for size in sizes:
-            results["all" if size is None else f"{size:,}"] = measure_size(size, args, scratch)
+            label = "all" if size is None else f"{size:,}"
+            results[label] = measure_size(size, lines, args, scratch)
     except RuntimeError as e:
         print(f"scaling: {e}", file=sys.stderr)
         return 1
