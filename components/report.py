@@ -179,8 +179,22 @@ def result_dict(result: MethodResult, bases: Mapping[str, MethodResult]) -> dict
     }
 
 
-def build_report(results: Mapping[str, Sequence[MethodResult]]) -> dict[str, Any]:
-    """Test set -> its methods' results -> report.json's content."""
+def training_summary(manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Training stage -> its manifest -> what the report says of it: the steps it trained
+    (the last phase's, for the student), why it stopped early if it did (`stop_reason`:
+    "time budget" when `loop.max_minutes` cut it short), its dev figures."""
+    summary = {}
+    for stage, manifest in manifests.items():
+        dev = manifest["metrics"].get("dev") or {}
+        summary[stage] = {"steps": manifest["counts"].get("steps"),
+                          "stop_reason": manifest["metrics"].get("stop_reason"),
+                          "dev_bleu": dev.get("bleu"), "dev_bleu_tok_lc": dev.get("bleu_tok_lc")}
+    return summary
+
+
+def build_report(results: Mapping[str, Sequence[MethodResult]],
+                 training: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Test set -> its methods' results (and `training_summary`) -> report.json's content."""
     test_sets = {}
     for test_set, methods in results.items():
         bases = baselines(methods)
@@ -188,7 +202,7 @@ def build_report(results: Mapping[str, Sequence[MethodResult]]) -> dict[str, Any
             "baselines": {kind: base.method for kind, base in bases.items()},
             "methods": [result_dict(result, bases) for result in methods],
         }
-    return {"test_sets": test_sets}
+    return {"training": dict(training or {}), "test_sets": test_sets}
 
 
 def headline(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -226,8 +240,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_columns: i
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
-    """report.json as tables a person reads: quality, speed, speedups, then signatures."""
-    lines = ["# Decoding report", ""]
+    """report.json as tables a person reads: the models, then per test set quality, speed,
+    speedups and signatures."""
+    lines = ["# Decoding report", ""] + _training_lines(report.get("training") or {})
     for test_set, entry in report["test_sets"].items():
         methods = entry["methods"]
         sentences = methods[0]["sentences"] if methods else 0
@@ -275,6 +290,25 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                   "it differs from theirs).", ""]
         lines += [f"![{plot}](plots/{test_set}/{plot}.png)" for plot in PLOTS] + [""]
     return "\n".join(lines)
+
+
+def _training_lines(training: Mapping[str, Any]) -> list[str]:
+    """The models' training, with a loud line for each run cut short."""
+    if not training:
+        return []
+    lines = ["## Models", ""]
+    for stage, about in training.items():
+        if about["stop_reason"]:
+            lines += [f"**Warning: the {stage} stopped early ({about['stop_reason']}) at step "
+                      f"{about['steps']:,}**: it did not train the config's fixed number of "
+                      f"steps (`{stage}.loop.max_minutes` cut it short on this machine), so "
+                      "the figures below are not those of the recipe.", ""]
+    lines += _table(
+        ["model", "steps (last phase)", "stopped", "dev BLEU", "dev BLEU tok+lc"],
+        [[stage, f"{about['steps']:,}" if about["steps"] is not None else "–",
+          about["stop_reason"] or "completed", _number(about["dev_bleu"]),
+          _number(about["dev_bleu_tok_lc"])] for stage, about in training.items()])
+    return lines + [""]
 
 
 def _batch_size(methods: Sequence[Mapping[str, Any]]) -> str:

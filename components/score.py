@@ -5,9 +5,12 @@ Contract:
           that is scored; `latency/{test_set}/{method}.jsonl`, the batch-1 pass over the
           latency sample; the throughput figures in its manifest) and the `prepare`
           artifact's test splits (the references: the prepared target of each id, i.e. the
-          raw line normalised as every split is).
+          raw line normalised as every split is), and the manifests of the teacher and
+          student the decode artifact names as its inputs.
   writes  `<workdir>/score/<key>/`:
-            report.json   per test set and method: its setting (`report.describe_setting`
+            report.json   the models' training (steps, and `stop_reason` when the time
+                          budget cut a run short: loud in report.md too); per test set and
+                          method: its setting (`report.describe_setting`
                           of the config's decode.methods, which the decode artifact's key
                           covers), BLEU, chrF, tokenised lowercased BLEU (with sacreBLEU
                           signatures), stutter, latency at batch 1 (mean, median, p90, p99
@@ -79,7 +82,10 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],
                 timed, setting=settings.get(method, "")))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
-    content = report.build_report(results)
+    training = {stage: artifacts.read(uri).manifest
+                for stage, uri in decoded.manifest["inputs"].items()
+                if stage in ("teacher", "student")}
+    content = report.build_report(results, report.training_summary(training))
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),
                          config=dag.section_values(config, "score"),
                          config_yaml=config_lib.dump(config),

@@ -20,7 +20,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
 from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
-from components import corpus, dag, report
+from components import artifacts, corpus, dag, report
 from components import score as score_stage
 from components import config as config_lib
 from components.config import ConfigError, DecodeMethod
@@ -217,8 +217,14 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
         assert method["latency_s"]["count"] == LATENCY_SENTENCES
         assert set(method["speedup"]) == {"vs_greedy", "vs_beam2"}
         assert method["speedup"]["vs_greedy"]["median"] > 0
+    assert list(content["training"]) == ["student", "teacher"]  # the models decoded
+    for stage, about in content["training"].items():
+        manifest = artifacts.read(_uri(config, stage)).manifest
+        assert about["steps"] == manifest["counts"].get("steps")
+        assert about["stop_reason"] is None
     with open(scored.path(score_stage.REPORT_MD)) as f:
         markdown = f.read()
+    assert "## Models" in markdown and "Warning" not in markdown
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
     assert "| beam2 | ar_beam | beam 2, length penalty 0.6 |" in markdown
     # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
@@ -226,6 +232,23 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     for plot in report.PLOTS:
         with open(scored.path("plots", "test2016", f"{plot}.png"), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_training_run_cut_short_by_its_time_budget_is_loud_in_the_report():
+    manifests = {
+        "teacher": {"counts": {"steps": 1370}, "metrics": {
+            "stop_reason": "time budget", "dev": {"bleu": 20.5, "bleu_tok_lc": 20.9}}},
+        "student": {"counts": {"steps": 400}, "metrics": {"stop_reason": None, "dev": {}}},
+    }
+    content = report.build_report({}, report.training_summary(manifests))
+    assert content["training"]["teacher"]["stop_reason"] == "time budget"
+    markdown = report.render_markdown(content)
+    assert ("**Warning: the teacher stopped early (time budget) at step 1,370**"
+            in markdown)
+    assert "`teacher.loop.max_minutes` cut it short" in markdown
+    assert "the student stopped" not in markdown
+    assert "| teacher | 1,370 | time budget | 20.50 | 20.90 |" in markdown
+    assert "| student | 400 | completed | – | – |" in markdown
 
 
 def test_report_scores_agree_with_sacrebleu_on_real_text(config):
