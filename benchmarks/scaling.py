@@ -7,14 +7,15 @@ stage as its own `python -m flows.cli stage NAME CONFIG` process, as a user woul
 it, and prints per stage and size: the pairs the stage processed, the process's wall time,
 the stage's own wall time (its manifest's `wall_seconds`: without interpreter start-up and
 imports), that time per 1k pairs, the marginal time per 1k pairs from the previous size
-(fixed costs cancel out), and the process's peak RSS (`os.wait4`: the stage process and
+(fixed costs cancel out), the process's CPU time per 1k pairs (user + system: what a
+Dataflow worker would be billed for), and its peak RSS (`os.wait4`: the stage process and
 what it waited for; Beam's FnApiRunner runs in-process).
 
 The teacher is fixed and cheap, and not part of the curve: a tiny model (`TINY_TEACHER`)
-trained for a few steps on each size's own vocabulary (the cost per pair is what is
-measured, not quality). Its translations are poor and their lengths not a trained
-teacher's (at 10k pairs: all end with EOS, 44% fail distill's length-ratio filter), and
-the benchmark's teacher costs more per decoder step: distill and decode show how the cost
+trained for 150 steps on each size's own vocabulary (the cost per pair is what is measured,
+not quality; after 20 steps it emitted EOS first and distill rejected every translation).
+Its translations are poor and their lengths not a trained teacher's, and the benchmark's
+teacher costs more per decoder step: distill and decode show how the cost
 of the search grows with the corpus, not what it is with a real teacher (`--set
 teacher.model=...` measures another). decode runs the AR methods only (no student is
 trained) and times every test sentence one at a time too (`latency_sentences: null`), so
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -53,9 +55,9 @@ TINY_TEACHER = {
     "model": {"d_model": 64, "num_heads": 2, "num_encoder_layers": 1, "num_decoder_layers": 1,
               "mlp_dim": 128, "dropout_rate": 0.0},
     "optimizer": {"learning_rate": 3.0e-3, "warmup_steps": 5},
-    "loop": {"tokens_per_batch": 1024, "log_every": 10, "eval_every": 20,
-             "checkpoint_every": 20},
-    "steps": 20,
+    "loop": {"tokens_per_batch": 1024, "log_every": 50, "eval_every": 150,
+             "checkpoint_every": 150},
+    "steps": 150,
 }
 
 
@@ -66,6 +68,7 @@ class StageRun:
     stage: str
     pairs: int  # what the stage processed (see `pairs_processed`)
     process_seconds: float
+    cpu_seconds: float  # user + system time of the process and what it waited for
     stage_seconds: float  # the manifest's wall_seconds
     peak_rss_mib: float
 
@@ -88,8 +91,9 @@ def size_overlay(path: str, base_config: str, workdir: str, fraction: float) -> 
 
 
 def run_stage(stage: str, config_path: str, overrides: Sequence[str], log_path: str
-              ) -> tuple[float, float, int]:
-    """Runs one stage in a fresh process; returns (wall seconds, peak RSS in MiB, status)."""
+              ) -> tuple[float, float, float, int]:
+    """Runs one stage in a fresh process; returns (wall seconds, CPU seconds, peak RSS in
+    MiB, status)."""
     command = [sys.executable, "-m", "flows.cli", "stage", stage, config_path]
     command += [flag for override in overrides for flag in ("--set", override)]
     start = time.monotonic()
@@ -98,7 +102,8 @@ def run_stage(stage: str, config_path: str, overrides: Sequence[str], log_path: 
         # wait4, not wait: it returns this child's own resource usage (ru_maxrss in KiB).
         _, status, usage = os.wait4(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(status)
-    return time.monotonic() - start, usage.ru_maxrss / 1024, process.returncode
+    return (time.monotonic() - start, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024,
+            process.returncode)
 
 
 # The pairs each stage processed, from its manifest's counts: the train pairs (encode: and
@@ -125,13 +130,13 @@ def measure_size(size: Optional[int], lines: int, args, scratch: str
     runs, counts = [], {}
     for stage in STAGES:
         log_path = os.path.join(scratch, "logs", f"{label}-{stage}.log")
-        seconds, rss, status = run_stage(stage, config_path, args.set, log_path)
+        seconds, cpu, rss, status = run_stage(stage, config_path, args.set, log_path)
         if status != 0:
             raise RuntimeError(f"stage {stage} at size {label} failed (exit {status}): "
                                f"see {log_path}")
         manifest = artifacts.read(dag.output_uri(config, stage)).manifest
         counts[stage] = manifest["counts"]
-        runs.append(StageRun(stage, PAIRS[stage](counts[stage]), seconds,
+        runs.append(StageRun(stage, PAIRS[stage](counts[stage]), seconds, cpu,
                              manifest["wall_seconds"], rss))
         print(f"  {label} {stage}: {seconds:.1f} s, {rss:.0f} MiB", file=sys.stderr, flush=True)
     # The vocab stage counts the whitespace words of both sides of the train split.
@@ -141,7 +146,7 @@ def measure_size(size: Optional[int], lines: int, args, scratch: str
 def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
     """Markdown: per measured stage and size, the figures of the module docstring."""
     lines = ["| stage | size | pairs | words/pair | process s | stage s | s / 1k pairs "
-             "| marginal s / 1k | peak RSS MiB |", "|---" * 9 + "|"]
+             "| marginal s / 1k | CPU s / 1k pairs | peak RSS MiB |", "|---" * 10 + "|"]
     for stage in MEASURED:
         previous = None
         for label, (runs, words) in results.items():
@@ -151,9 +156,10 @@ def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
             if previous is not None and run.pairs > previous.pairs:
                 extra = run.stage_seconds - previous.stage_seconds
                 marginal = f"{1e3 * extra / (run.pairs - previous.pairs):.3f}"
+            cpu_per_1k = 1e3 * run.cpu_seconds / run.pairs if run.pairs else float("nan")
             lines.append(f"| {stage} | {label} | {run.pairs:,} | {words:.1f} | "
                          f"{run.process_seconds:.1f} | {run.stage_seconds:.1f} | {per_1k:.3f} | "
-                         f"{marginal} | {run.peak_rss_mib:.0f} |")
+                         f"{marginal} | {cpu_per_1k:.3f} | {run.peak_rss_mib:.0f} |")
             previous = run
     return "\n".join(lines)
 
@@ -164,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="corpus lines sampled (data.train_sample_fraction), or 'all'")
     parser.add_argument("--config", default="configs/tatoeba_de_en.yaml")
     parser.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the figures here (benchmarks/wmt_plan.py reads them)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value in every stage, e.g. distill.batch_size=32")
     args = parser.parse_args(argv)
@@ -183,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scaling: {e}", file=sys.stderr)
         return 1
     print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({label: {"words_per_pair": words,
+                               "stages": [dataclasses.asdict(run) for run in runs]}
+                       for label, (runs, words) in results.items()}, f, indent=2)
     teacher = ", ".join(f"{label} {runs[STAGES.index('teacher')].process_seconds:.0f} s"
                         for label, (runs, _) in results.items())
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
