@@ -1,31 +1,19 @@
 """benchmarks/decode_speed.py's pass profile on tiny untrained models (no data, seconds)."""
 
-import importlib.util
 import math
-import os
-import sys
 import types
 
 import jax
 import pytest
 
+from benchmarks import decode_speed
 from model.models import ARModel, PaDIRModel
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB
 
 
-def _load_benchmark():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "benchmarks", "decode_speed.py")
-    spec = importlib.util.spec_from_file_location("decode_speed_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return _load_benchmark()
+    return decode_speed
 
 
 def _check(profile, names):

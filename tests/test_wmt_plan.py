@@ -1,13 +1,12 @@
 """benchmarks/wmt_plan.py's projections on fabricated measurements (shapes only, seconds)."""
 
-import importlib.util
 import json
 import os
-import sys
 
 import jax
 import pytest
 
+from benchmarks import wmt_plan
 from components import config as config_lib
 from components.config import ModelConfig
 from model import train
@@ -18,18 +17,9 @@ TINY = ModelConfig(d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_la
 VOCAB = 300  # above the 262 reserved and byte ids
 
 
-def _load_benchmark():
-    path = os.path.join(ROOT, "benchmarks", "wmt_plan.py")
-    spec = importlib.util.spec_from_file_location("wmt_plan_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def plan():
-    return _load_benchmark()
+    return wmt_plan
 
 
 def _stages(pairs: int, cpu: dict, rss: float) -> list[dict]:
