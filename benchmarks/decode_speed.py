@@ -593,7 +593,8 @@ def main(argv=None) -> int:
         results.append(report.score_method(name, known[name].kind, records, references,
                                            report.throughput(records, batch_size),
                                            _records(pairs, translations[name]),
-                                           setting=report.describe_setting(known[name])))
+                                           setting=report.describe_setting(known[name]),
+                                           target_lang=config.data.target_lang))
     print(f"batched pass: {time.time() - started:.1f} s\n")
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)

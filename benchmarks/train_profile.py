@@ -160,7 +160,7 @@ def profile(config: config_lib.Config, which: str, args: argparse.Namespace) -> 
           f"read: {mix:.0f} ms")
 
     dev = train.DevSet(data.dev_batches, jax.random.PRNGKey(1), detokenize=data.detokenize,
-                       references=data.references)
+                       references=data.references, target_lang=data.target_lang)
     train.evaluate(steps, state.eval_params, dev, placement.batch_sharding)  # compiles
     start = time.perf_counter()
     metrics = train.evaluate(steps, state.eval_params, dev, placement.batch_sharding)

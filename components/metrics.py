@@ -9,8 +9,10 @@
 Hypotheses are detokenised model output (`Tokenizer.decode`), references the raw
 reference lines, one reference per hypothesis.
 
-**BLEU and chrF** are sacreBLEU's with their defaults (BLEU: 13a tokenisation, mixed case,
-exponential smoothing; chrF2: character 6-grams, beta 2), reported with the signature
+**BLEU and chrF** are sacreBLEU's with their defaults (BLEU: the tokeniser sacreBLEU picks
+for the target language, `data.target_lang`: 13a for languages written with spaces, `zh`
+for Chinese, MeCab for Japanese and Korean (`pip install "sacrebleu[ja,ko]"`); mixed
+case, exponential smoothing; chrF2: character 6-grams, beta 2), reported with the signature
 that makes them reproducible (`nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:...`).
 They are the figures to quote.
 
@@ -89,9 +91,11 @@ def _score(metric, name: str, hypotheses, references) -> CorpusScore:
     )
 
 
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> CorpusScore:
-    """sacreBLEU BLEU with its defaults on detokenised output vs raw references."""
-    return _score(BLEU(), "BLEU", hypotheses, references)
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], target_lang: str = ""
+                ) -> CorpusScore:
+    """sacreBLEU BLEU with its defaults on detokenised output vs raw references, tokenised
+    as sacreBLEU does for `target_lang` (a language code; "": 13a)."""
+    return _score(BLEU(trg_lang=target_lang), "BLEU", hypotheses, references)
 
 
 def corpus_chrf(hypotheses: Sequence[str], references: Sequence[str]) -> CorpusScore:

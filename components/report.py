@@ -113,16 +113,16 @@ def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
 def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
                  references: Sequence[str], throughput: Mapping[str, Any],
                  latency_records: Sequence[Mapping[str, Any]], *,
-                 setting: str = "") -> MethodResult:
+                 setting: str = "", target_lang: str = "") -> MethodResult:
     """Scores one method's decode records against their references (same order); its
     latency comes from the records of the batch-1 pass, `latency_records`; `setting` is
-    its `describe_setting`."""
+    its `describe_setting`; `target_lang` picks BLEU's tokeniser (`metrics.corpus_bleu`)."""
     hypotheses = [record["hypothesis"] for record in records]
     return MethodResult(
         method=method,
         kind=kind,
         sentences=len(records),
-        bleu=metrics.corpus_bleu(hypotheses, references),
+        bleu=metrics.corpus_bleu(hypotheses, references, target_lang),
         chrf=metrics.corpus_chrf(hypotheses, references),
         bleu_tok_lc=metrics.tokenized_lowercased_bleu(hypotheses, references),
         stutter=metrics.stutter_stats(hypotheses, references),

@@ -80,7 +80,7 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
             latency_records[test_set][method] = timed
             results[test_set].append(report.score_method(
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],
-                timed, setting=settings.get(method, "")))
+                timed, setting=settings.get(method, ""), target_lang=config.data.target_lang))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
     training = {stage: artifacts.read(uri).manifest
                 for stage, uri in decoded.manifest["inputs"].items()

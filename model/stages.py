@@ -80,7 +80,8 @@ def training_data(config: config_lib.Config, stage: str,
     log.info("%s: %d train batches per epoch (rows per bucket %s), %d dev sentences",
              config.workdir, stream.batches_per_epoch, batch_sizes, len(references))
     return train.TrainData(stream.batches, tuple(batch_sizes), dev_batches=dev_batches,
-                           references=references, detokenize=tokenizer.decode)
+                           references=references, detokenize=tokenizer.decode,
+                           target_lang=config.data.target_lang)
 
 
 def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
@@ -186,7 +187,7 @@ def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
                                    for x in (tokens, sources))
             hypotheses += [data.detokenize(row.tolist())
                            for source, row in zip(sources, tokens) if source.any()]
-        bleu = metrics.corpus_bleu(hypotheses, data.references)
+        bleu = metrics.corpus_bleu(hypotheses, data.references, data.target_lang)
         tok_lc = metrics.tokenized_lowercased_bleu(hypotheses, data.references)
         scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature,
                         "bleu_tok_lc": round(tok_lc.score, 2)}

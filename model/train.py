@@ -330,12 +330,14 @@ class DevSet:
       rng: the noise key of every evaluation, so that evaluations are comparable.
       detokenize: ids of one hypothesis, cut before its first EOS -> text (for BLEU).
       references: raw reference texts, one per non-padding dev row, in order (for BLEU).
+      target_lang: the references' language, which picks BLEU's tokeniser.
     """
 
     batches: Sequence[Batch]
     rng: jax.Array
     detokenize: Optional[Callable[[Sequence[int]], str]] = None
     references: Optional[Sequence[str]] = None
+    target_lang: str = ""
 
 
 def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
@@ -345,7 +347,7 @@ def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
     `dev` has references."""
     sums: dict[str, float] = {}
     hypotheses: list[str] = []
-    detokenize, references = dev.detokenize, dev.references
+    detokenize, references, target_lang = dev.detokenize, dev.references, dev.target_lang
     for batch in dev.batches:
         device_batch = sharding.shard_batch(batch, batch_sharding)
         for name, value in jax.device_get(steps.eval(params, device_batch, dev.rng)).items():
@@ -364,7 +366,7 @@ def evaluate(steps: CompiledSteps, params: Any, dev: DevSet,
             raise ValueError(
                 f"dev set: {len(hypotheses)} non-padding rows but {len(references)} references"
             )
-        metrics["bleu"] = corpus_bleu(hypotheses, references).score
+        metrics["bleu"] = corpus_bleu(hypotheses, references, target_lang).score
         # The published Multi30k figures' metric, beside ours (components/metrics.py).
         metrics["bleu_tok_lc"] = tokenized_lowercased_bleu(hypotheses, references).score
     return metrics
@@ -447,6 +449,7 @@ class TrainData:
     dev_batches: Optional[Sequence[Batch]] = None
     references: Optional[Sequence[str]] = None
     detokenize: Optional[Callable[[Sequence[int]], str]] = None
+    target_lang: str = ""  # of the references: picks BLEU's tokeniser (components.metrics)
 
     def __post_init__(self):
         if (self.references is None) != (self.detokenize is None):
@@ -560,7 +563,8 @@ def _dev_set(data: TrainData, state: TrainState) -> Optional[DevSet]:
     if data.dev_batches is None:
         return None
     rng = jax.random.fold_in(state.rng, np.iinfo(np.int32).max)
-    return DevSet(data.dev_batches, rng, detokenize=data.detokenize, references=data.references)
+    return DevSet(data.dev_batches, rng, detokenize=data.detokenize, references=data.references,
+                  target_lang=data.target_lang)
 
 
 @dataclasses.dataclass(frozen=True)

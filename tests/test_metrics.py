@@ -97,3 +97,14 @@ def test_latency_on_a_fixed_list_and_speedups():
         metrics.summarize_latency([])
     with pytest.raises(ValueError):
         metrics.speedup(1.0, 0.0)
+
+
+def test_bleu_tokenises_as_sacrebleu_does_for_the_target_language():
+    hypotheses, references = ["我们去公园散步。"], ["我们去公园散步了。"]
+    chinese = metrics.corpus_bleu(hypotheses, references, "zh")
+    assert "tok:zh" in chinese.signature
+    assert chinese.score == pytest.approx(
+        sacrebleu.corpus_bleu(hypotheses, [references], tokenize="zh").score)
+    # Without spaces, 13a sees one word per sentence, and no match at all.
+    assert metrics.corpus_bleu(hypotheses, references).score < chinese.score
+    assert "tok:13a" in metrics.corpus_bleu(hypotheses, references, "de").signature
