@@ -17,9 +17,9 @@ not quality). It must be trained enough to end its translations near the source'
 a search runs until the last row of its batch ends, so a teacher that stops after two
 tokens, or never (150 steps: distilled/original length 0.2, and at 170k pairs 109 rows ran
 to the full width), makes distill's cost that of its failures, not of the corpus. Its
-translations are still poor, and the benchmark's teacher costs more per decoder step: distill and decode show how the cost
-of the search grows with the corpus, not what it is with a real teacher (`--set
-teacher.model=...` measures another). decode runs the AR methods only (no student is
+translations are still poor, and the benchmark's teacher costs more per decoder step:
+distill and decode show how the cost of the search grows with the corpus, not what it is
+with a real teacher (`--set teacher.model=...` measures another). decode runs the AR methods only (no student is
 trained) and times every test sentence one at a time too (`latency_sentences: null`), so
 its cost is linear in the carved test set, which is a fixed share of the sample. The
 `words/pair` column (both sides, as the vocab stage counts them) shows that every size holds
