@@ -242,24 +242,29 @@ def test_interrupted_run_publishes_nothing(crafted, monkeypatch):
 # --- run: TSV inside a zip, carved dev/test, the command line --------------------------
 
 
+def _zipped_tsv_config(tmp_path, lines: list[str], seed: int = 0, **data) -> pathlib.Path:
+    """A config whose train corpus is `lines` (English<TAB>German) in a zip, with `data`
+    settings (no dev or test set: both are carved)."""
+    archive = tmp_path / "deu-eng.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("deu.txt", "\n".join(lines) + "\n")
+    config_path = tmp_path / "tatoeba.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "workdir": str(tmp_path / "work"), "seed": seed,
+        "data": {"source_lang": "en", "target_lang": "de",
+                 "train": {"tsv": str(archive), "member": "deu.txt"}, **data},
+    }))
+    return config_path
+
+
 def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
     lines = []
     for i in range(60):  # 1 to 3 German translations per English sentence
         lines += [f"Sentence {i}.\tSatz {i}, Variante {j}." for j in range(1 + i % 3)]
     lines.insert(5, "a\tstray\ttab")  # malformed
     lines.append("Not read.\tNicht gelesen.")  # beyond max_train_pairs
-    archive = tmp_path / "deu-eng.zip"
-    with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("deu.txt", "\n".join(lines) + "\n")
-    config_path = tmp_path / "tatoeba.yaml"
-    config_path.write_text(yaml.safe_dump({
-        "workdir": str(tmp_path / "work"),
-        "seed": 7,
-        "data": {"source_lang": "en", "target_lang": "de",
-                 "train": {"tsv": str(archive), "member": "deu.txt"},
-                 "carve_dev_fraction": 0.25, "carve_test_fraction": 0.25,
-                 "max_train_pairs": len(lines) - 1},
-    }))
+    config_path = _zipped_tsv_config(tmp_path, lines, seed=7, carve_dev_fraction=0.25,
+                                     carve_test_fraction=0.25, max_train_pairs=len(lines) - 1)
 
     assert prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=3"]) == 0
     stage, uri = capsys.readouterr().out.strip().splitlines()[-1].split(": ")  # "prepare: URI"
@@ -290,17 +295,8 @@ def test_main_on_tsv_in_zip_carves_by_source(tmp_path, capsys):
 def test_train_sample_fraction_keeps_a_hashed_sample_spread_over_the_file(tmp_path, capsys):
     # Sorted short to long, as Tatoeba is: the first N lines would be the shortest only.
     lines = [" ".join(["word"] * (1 + i // 20)) + f" {i}.\tWort {i}." for i in range(200)]
-    archive = tmp_path / "sorted.zip"
-    with zipfile.ZipFile(archive, "w") as z:
-        z.writestr("pairs.txt", "\n".join(lines) + "\n")
-    config_path = tmp_path / "sample.yaml"
-    config_path.write_text(yaml.safe_dump({
-        "workdir": str(tmp_path / "work"),
-        "data": {"source_lang": "en", "target_lang": "de",
-                 "train": {"tsv": str(archive), "member": "pairs.txt"},
-                 "carve_dev_fraction": 0.1, "carve_test_fraction": 0.1,
-                 "train_sample_fraction": 0.3},
-    }))
+    config_path = _zipped_tsv_config(tmp_path, lines, carve_dev_fraction=0.1,
+                                     carve_test_fraction=0.1, train_sample_fraction=0.3)
 
     assert prepare.main(["--config", str(config_path), "--set", "prepare.num_shards=1"]) == 0
     uri = capsys.readouterr().out.strip().splitlines()[-1].split(": ")[1]
