@@ -304,10 +304,11 @@ def _training_lines(training: Mapping[str, Any]) -> list[str]:
                       f"steps (`{stage}.loop.max_minutes` cut it short on this machine), so "
                       "the figures below are not those of the recipe.", ""]
     lines += _table(
-        ["model", "steps (last phase)", "stopped", "dev BLEU", "dev BLEU tok+lc"],
-        [[stage, f"{about['steps']:,}" if about["steps"] is not None else "–",
-          about["stop_reason"] or "completed", _number(about["dev_bleu"]),
-          _number(about["dev_bleu_tok_lc"])] for stage, about in training.items()])
+        ["model", "stopped", "steps (last phase)", "dev BLEU", "dev BLEU tok+lc"],
+        [[stage, about["stop_reason"] or "completed",
+          f"{about['steps']:,}" if about["steps"] is not None else "–",
+          _number(about["dev_bleu"]), _number(about["dev_bleu_tok_lc"])]
+         for stage, about in training.items()], text_columns=2)
     return lines + [""]
 
 

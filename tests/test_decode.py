@@ -247,8 +247,9 @@ def test_a_training_run_cut_short_by_its_time_budget_is_loud_in_the_report():
             in markdown)
     assert "`teacher.loop.max_minutes` cut it short" in markdown
     assert "the student stopped" not in markdown
-    assert "| teacher | 1,370 | time budget | 20.50 | 20.90 |" in markdown
-    assert "| student | 400 | completed | – | – |" in markdown
+    assert "| teacher | time budget | 1,370 | 20.50 | 20.90 |" in markdown
+    assert "| student | completed | 400 | – | – |" in markdown
+    assert "|---|---|---:|---:|---:|" in markdown  # names left, figures right
 
 
 def test_report_scores_agree_with_sacrebleu_on_real_text(config):
