@@ -137,13 +137,15 @@ def make_id(split: str, line: int) -> str:
     return f"{split}:{line:06d}"
 
 
+def unit_hash(text: str) -> float:
+    """A stable, uniform value in [0, 1) for `text` (the first 8 bytes of its SHA-256)."""
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
 def in_sample(pair_id: str, fraction: float) -> bool:
     """Whether a line belongs to a `fraction` sample of its corpus: a hash of its id, so the
     sample is spread over the file, needs no global order, and the same on every run."""
-    if fraction >= 1.0:
-        return True
-    digest = hashlib.sha256(f"sample\t{pair_id}".encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64 < fraction
+    return fraction >= 1.0 or unit_hash(f"sample\t{pair_id}") < fraction
 
 
 def id_sort_key(pair_id: str) -> tuple[str, int]:
@@ -166,8 +168,7 @@ def carve_split(text: str, *, seed: int, data: DataConfig) -> str:
     one split never moves the pairs of the other. Only the splits that are not given in the
     config are carved.
     """
-    digest = hashlib.sha256(f"{seed}\t{text}".encode("utf-8")).digest()
-    u = int.from_bytes(digest[:8], "big") / 2.0**64
+    u = unit_hash(f"{seed}\t{text}")
     if u < data.carve_test_fraction:
         return CARVED_TEST if not data.test else TRAIN
     if u < data.carve_test_fraction + data.carve_dev_fraction:
