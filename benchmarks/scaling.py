@@ -12,14 +12,16 @@ Dataflow worker would be billed for), and its peak RSS (`os.wait4`: the stage pr
 what it waited for; Beam's FnApiRunner runs in-process).
 
 The teacher is fixed and cheap, and not part of the curve: a tiny model (`TINY_TEACHER`)
-trained for 600 steps on each size's own vocabulary (the cost per pair is what is measured,
-not quality). It must be trained enough to end its translations near the source's length:
-a search runs until the last row of its batch ends, so a teacher that stops after two
-tokens, or never (150 steps: distilled/original length 0.2, and at 170k pairs 109 rows ran
-to the full width), makes distill's cost that of its failures, not of the corpus. Its
-translations are still poor, and the benchmark's teacher costs more per decoder step:
-distill and decode show how the cost of the search grows with the corpus, not what it is
-with a real teacher (`--set teacher.model=...` measures another). decode runs the AR methods only (no student is
+trained for 600 steps at the first size, then published under every later size's teacher
+key (`publish_teacher`: the same checkpoint, whose manifest names the first size's
+vocabulary, so distill and decode tokenise with it). So distill and decode run one model
+at every size, and their cost per pair is the corpus's, not that of a teacher trained on
+more data, which ends its translations differently (a search runs until the last row of
+its batch ends). It must be trained enough to end its translations near the source's
+length: at 150 steps it stopped after two tokens, or never. Its translations are still
+poor, and the benchmark's teacher costs more per decoder step: distill and decode show how
+the cost of the search grows with the corpus, not what it is with a real teacher (`--set
+teacher.model=...` measures another). decode runs the AR methods only (no student is
 trained) and times every test sentence one at a time too (`latency_sentences: null`), so
 its cost is linear in the carved test set, which is a fixed share of the sample. The
 `words/pair` column (both sides, as the vocab stage counts them) shows that every size holds
@@ -39,6 +41,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,10 +123,24 @@ PAIRS = {
 }
 
 
-def measure_size(size: Optional[int], lines: int, args, scratch: str
-                 ) -> tuple[list[StageRun], float]:
-    """Runs every stage at one size (of a corpus of `lines` lines); returns its runs and the
-    words per train pair."""
+def publish_teacher(config: config_lib.Config, teacher: artifacts.Artifact) -> None:
+    """Publishes `teacher` (trained at another size) under this size's teacher key: the
+    same files and metrics, and its manifest's inputs, so its tokenizer is its own."""
+    key = dag.stage_key(config, "teacher")
+    if artifacts.is_complete(artifacts.location(config.workdir, "teacher", key)):
+        return
+    with artifacts.write(config.workdir, "teacher", key, config=teacher.manifest["config"],
+                         inputs=teacher.manifest["inputs"]) as out:
+        shutil.copytree(teacher.uri, out.tmp_uri, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(artifacts.MANIFEST))
+        out.metrics.update(teacher.manifest["metrics"], published_from=teacher.uri)
+
+
+def measure_size(size: Optional[int], lines: int, args, scratch: str,
+                 teacher: Optional[artifacts.Artifact]
+                 ) -> tuple[list[StageRun], float, artifacts.Artifact]:
+    """Runs every stage at one size (of a corpus of `lines` lines), with `teacher` if given
+    (else trains it); returns its runs, the words per train pair and the teacher."""
     label = "all" if size is None else str(size)
     fraction = 1.0 if size is None else min(1.0, size / lines)
     config_path = size_overlay(os.path.join(scratch, f"scaling-{label}.yaml"), args.config,
@@ -131,6 +148,9 @@ def measure_size(size: Optional[int], lines: int, args, scratch: str
     config = config_lib.load(config_path, args.set)
     runs, counts = [], {}
     for stage in STAGES:
+        if stage == "teacher" and teacher is not None:
+            publish_teacher(config, teacher)
+            continue
         log_path = os.path.join(scratch, "logs", f"{label}-{stage}.log")
         seconds, cpu, rss, status = run_stage(stage, config_path, args.set, log_path)
         if status != 0:
@@ -142,7 +162,8 @@ def measure_size(size: Optional[int], lines: int, args, scratch: str
                              manifest["wall_seconds"], rss))
         print(f"  {label} {stage}: {seconds:.1f} s, {rss:.0f} MiB", file=sys.stderr, flush=True)
     # The vocab stage counts the whitespace words of both sides of the train split.
-    return runs, counts["vocab"]["words"] / counts["vocab"]["train_pairs"]
+    return (runs, counts["vocab"]["words"] / counts["vocab"]["train_pairs"],
+            artifacts.read(dag.output_uri(config, "teacher")))
 
 
 def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
@@ -184,11 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lines = corpus.check_corpus(corpus.CorpusSpec(corpus.TRAIN, train))
     print(f"scratch {scratch}; {lines:,} corpus lines; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs", file=sys.stderr)
-    results = {}
+    results, teacher = {}, None
     try:
         for size in sizes:
             label = "all" if size is None else f"{size:,}"
-            results[label] = measure_size(size, lines, args, scratch)
+            runs, words, teacher = measure_size(size, lines, args, scratch, teacher)
+            results[label] = (runs, words)
     except RuntimeError as e:
         print(f"scaling: {e}", file=sys.stderr)
         return 1
@@ -198,10 +220,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({label: {"words_per_pair": words,
                                "stages": [dataclasses.asdict(run) for run in runs]}
                        for label, (runs, words) in results.items()}, f, indent=2)
-    teacher = ", ".join(f"{label} {runs[STAGES.index('teacher')].process_seconds:.0f} s"
-                        for label, (runs, _) in results.items())
+    trained = next(run for run in next(iter(results.values()))[0] if run.stage == "teacher")
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
-          f"teacher (set-up, not measured): {teacher}")
+          f"teacher (set-up, not measured, one for every size): "
+          f"{trained.process_seconds:.0f} s at {next(iter(results))}")
     return 0
 
 

@@ -1,5 +1,7 @@
 """benchmarks/scaling.py: the overlay of one size and the table of the cost curve."""
 
+import os
+
 import yaml
 
 from benchmarks import scaling
@@ -29,3 +31,32 @@ def test_the_table_gives_per_pair_and_marginal_costs():
         in lines
     assert "| prepare | 10,000 | 10,000 | 12.5 | 25.0 | 20.0 | 2.000 | - | 3.000 | 100 |" in lines
     assert not any(line.startswith("| teacher |") for line in lines)  # set-up, not measured
+
+
+def test_a_later_size_distills_with_the_first_sizes_teacher(tmp_path, monkeypatch):
+    monkeypatch.setenv("PADIR_DATA_ROOT", str(tmp_path))  # paths are resolved, not read
+    from components import artifacts, dag
+    from components import config as config_lib
+
+    def size_config(fraction):
+        path = scaling.size_overlay(str(tmp_path / f"{fraction}.yaml"),
+                                    "configs/tatoeba_de_en.yaml", str(tmp_path / "work"), fraction)
+        return config_lib.load(path)
+
+    first, later = size_config(0.1), size_config(0.5)
+    key = dag.stage_key(first, "teacher")
+    with artifacts.write(first.workdir, "teacher", key, config={"teacher": {"steps": 600}},
+                         inputs={"vocab": "/work/vocab/abc"}) as out:
+        os.makedirs(out.path("checkpoints", "600"))
+        open(out.path("checkpoints", "600", "params"), "w").write("weights")
+        out.metrics["dev"] = {"bleu": 1.5}
+    teacher = artifacts.read(artifacts.location(first.workdir, "teacher", key))
+
+    scaling.publish_teacher(later, teacher)
+    scaling.publish_teacher(later, teacher)  # a rerun reuses it
+    published = artifacts.read(dag.output_uri(later, "teacher"))
+    assert published.key == dag.stage_key(later, "teacher") != key
+    assert published.manifest["inputs"] == {"vocab": "/work/vocab/abc"}  # its own tokenizer
+    assert published.manifest["metrics"]["dev"] == {"bleu": 1.5}
+    assert published.manifest["metrics"]["published_from"] == teacher.uri
+    assert open(published.path("checkpoints", "600", "params")).read() == "weights"
