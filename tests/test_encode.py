@@ -19,6 +19,7 @@ from components import config as config_lib
 from components.tokenizer import EOS_ID, Tokenizer
 from flows import cli
 from pipelines import encode
+from tiny_experiment import publish_prepared
 
 WORDS = ("a dog runs on the green grass . two men sit near a red car ; ein hund läuft auf "
          "dem grünen gras . zwei männer sitzen neben einem roten auto").split()
@@ -128,14 +129,8 @@ def test_tokenize_pairs_gives_sentencepiece_ids_and_tags_rejects(model_bytes):
 
 def _write_inputs(config: config_lib.Config, splits: dict[str, list[dict]],
                   model_bytes: bytes) -> None:
-    """A prepare artifact (two shards per split) and a vocab artifact, as the stages write them."""
-    with artifacts.write(config.workdir, "prepare", dag.stage_key(config, "prepare"),
-                         config={}, inputs={}) as out:
-        for split, pairs in splits.items():
-            for shard in range(2):
-                with open(out.path(f"{split}-{shard:05d}-of-00002.jsonl"), "w") as f:
-                    for pair in pairs[shard::2]:
-                        f.write(json.dumps(pair, ensure_ascii=False) + "\n")
+    """A prepare artifact and a vocab artifact, as the stages write them."""
+    publish_prepared(config, splits)
     with artifacts.write(config.workdir, "vocab", dag.stage_key(config, "vocab"),
                          config={}, inputs={}) as out:
         with open(out.path("spm.model"), "wb") as f:

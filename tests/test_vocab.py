@@ -15,6 +15,7 @@ from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from flows import cli
 from pipelines import vocab
+from tiny_experiment import publish_prepared
 
 _EN_NOUNS = "dog cat man woman child horse bird girl boy people".split()
 _DE_NOUNS = "Hund Katze Mann Frau Kind Pferd Vogel Mädchen Junge Leute".split()
@@ -35,17 +36,6 @@ def _pairs(n: int, seed: int) -> list[dict]:
             "target": f"Ein {_DE_NOUNS[noun]} {_DE_VERBS[verb]} {_DE_PLACES[place]}.",
         })
     return pairs
-
-
-def _write_prepared(config: config_lib.Config, splits: dict[str, list[dict]]) -> None:
-    """A prepare artifact as the prepare stage would write it (two shards per split)."""
-    with artifacts.write(config.workdir, "prepare", dag.stage_key(config, "prepare"),
-                         config={}, inputs={}) as out:
-        for split, pairs in splits.items():
-            for shard in range(2):
-                with open(out.path(f"{split}-{shard:05d}-of-00002.jsonl"), "w") as f:
-                    for pair in pairs[shard::2]:
-                        f.write(json.dumps(pair, ensure_ascii=False) + "\n")
 
 
 @pytest.fixture
@@ -94,7 +84,7 @@ def test_stage_smoke(config_path):
     train = _pairs(300, seed=1)
     dev = _pairs(40, seed=2)
     dev.append({"id": "d-x", "source": "A dog 🐕 runs.", "target": "Ein Hund läuft."})
-    _write_prepared(config, {"train": train, "dev": dev, "test2016": dev[:5]})
+    publish_prepared(config, {"train": train, "dev": dev, "test2016": dev[:5]})
 
     assert cli.main(["stage", "vocab", config_path]) == 0
     artifact = artifacts.read(dag.output_uri(config, "vocab"))

@@ -1,10 +1,12 @@
-"""A tiny end-to-end experiment config on a slice of Multi30k, shared by stage tests, and
-`publish_untrained`: a teacher or train artifact with initial parameters, in seconds.
+"""A tiny end-to-end experiment config on a slice of Multi30k, shared by stage tests;
+`publish_untrained`: a teacher or train artifact with initial parameters, in seconds; and
+`publish_prepared`: a prepare artifact of given pairs.
 
 The stage tests share one workdir per session (conftest's `tiny_workdir`): artifacts with
 the same key (prepare and vocab for all of them) are computed once, by `ensure`.
 """
 
+import json
 import os
 
 import pytest
@@ -86,3 +88,15 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
         manager.wait_until_finished()
         manager.close()
     return artifacts.read(dag.output_uri(config, stage))
+
+
+def publish_prepared(config: config_lib.Config, splits: dict[str, list[dict]]) -> None:
+    """A prepare artifact of `splits` (split -> pairs), in two shards per split as the
+    prepare stage writes them."""
+    with artifacts.write(config.workdir, "prepare", dag.stage_key(config, "prepare"),
+                         config={}, inputs={}) as out:
+        for split, pairs in splits.items():
+            for shard in range(2):
+                with open(out.path(f"{split}-{shard:05d}-of-00002.jsonl"), "w") as f:
+                    for pair in pairs[shard::2]:
+                        f.write(json.dumps(pair, ensure_ascii=False) + "\n")
