@@ -8,7 +8,8 @@ it, and prints per stage and size: the pairs the stage processed, the process's 
 the stage's own wall time (its manifest's `wall_seconds`: without interpreter start-up and
 imports), that time per 1k pairs, the marginal time per 1k pairs from the previous size
 (fixed costs cancel out), the process's CPU time per 1k pairs (user + system: what a
-Dataflow worker would be billed for), and its peak RSS (`os.wait4`: the stage process and
+Dataflow worker would be billed for; less disturbed than wall time by other processes on
+the machine) and its marginal figure, and its peak RSS (`os.wait4`: the stage process and
 what it waited for; Beam's FnApiRunner runs in-process).
 
 The teacher is fixed and cheap, and not part of the curve: a tiny model (`TINY_TEACHER`)
@@ -169,20 +170,23 @@ def measure_size(size: Optional[int], lines: int, args, scratch: str,
 def table(results: dict[str, tuple[list[StageRun], float]]) -> str:
     """Markdown: per measured stage and size, the figures of the module docstring."""
     lines = ["| stage | size | pairs | words/pair | process s | stage s | s / 1k pairs "
-             "| marginal s / 1k | CPU s / 1k pairs | peak RSS MiB |", "|---" * 10 + "|"]
+             "| marginal s / 1k | CPU s / 1k pairs | marginal CPU s / 1k | peak RSS MiB |",
+             "|---" * 11 + "|"]
     for stage in MEASURED:
         previous = None
         for label, (runs, words) in results.items():
             run = next(r for r in runs if r.stage == stage)
             per_1k = 1e3 * run.stage_seconds / run.pairs if run.pairs else float("nan")
-            marginal = "-"
-            if previous is not None and run.pairs > previous.pairs:
-                extra = run.stage_seconds - previous.stage_seconds
-                marginal = f"{1e3 * extra / (run.pairs - previous.pairs):.3f}"
             cpu_per_1k = 1e3 * run.cpu_seconds / run.pairs if run.pairs else float("nan")
+            marginal = marginal_cpu = "-"
+            if previous is not None and run.pairs > previous.pairs:
+                extra = 1e3 / (run.pairs - previous.pairs)
+                marginal = f"{extra * (run.stage_seconds - previous.stage_seconds):.3f}"
+                marginal_cpu = f"{extra * (run.cpu_seconds - previous.cpu_seconds):.3f}"
             lines.append(f"| {stage} | {label} | {run.pairs:,} | {words:.1f} | "
                          f"{run.process_seconds:.1f} | {run.stage_seconds:.1f} | {per_1k:.3f} | "
-                         f"{marginal} | {cpu_per_1k:.3f} | {run.peak_rss_mib:.0f} |")
+                         f"{marginal} | {cpu_per_1k:.3f} | {marginal_cpu} | "
+                         f"{run.peak_rss_mib:.0f} |")
             previous = run
     return "\n".join(lines)
 
