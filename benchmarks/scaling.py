@@ -127,10 +127,10 @@ PAIRS = {
 def publish_teacher(config: config_lib.Config, teacher: artifacts.Artifact) -> None:
     """Publishes `teacher` (trained at another size) under this size's teacher key: the
     same files and metrics, and its manifest's inputs, so its tokenizer is its own."""
-    key = dag.stage_key(config, "teacher")
-    if artifacts.is_complete(artifacts.location(config.workdir, "teacher", key)):
+    if artifacts.is_complete(dag.output_uri(config, "teacher")):
         return
-    with artifacts.write(config.workdir, "teacher", key, config=teacher.manifest["config"],
+    with artifacts.write(config.workdir, "teacher", dag.stage_key(config, "teacher"),
+                         config=teacher.manifest["config"],
                          inputs=teacher.manifest["inputs"]) as out:
         shutil.copytree(teacher.uri, out.tmp_uri, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(artifacts.MANIFEST))
@@ -224,10 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             json.dump({label: {"words_per_pair": words,
                                "stages": [dataclasses.asdict(run) for run in runs]}
                        for label, (runs, words) in results.items()}, f, indent=2)
-    trained = next(run for run in next(iter(results.values()))[0] if run.stage == "teacher")
+    first, (first_runs, _) = next(iter(results.items()))
+    trained = next(run for run in first_runs if run.stage == "teacher")
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"teacher (set-up, not measured, one for every size): "
-          f"{trained.process_seconds:.0f} s at {next(iter(results))}")
+          f"{trained.process_seconds:.0f} s at {first}")
     return 0
 
 

@@ -5,6 +5,8 @@ import os
 import yaml
 
 from benchmarks import scaling
+from components import artifacts, dag
+from components import config as config_lib
 
 
 def test_a_size_is_a_hashed_sample_of_the_base_config(tmp_path):
@@ -36,8 +38,6 @@ def test_the_table_gives_per_pair_and_marginal_costs():
 
 def test_a_later_size_distills_with_the_first_sizes_teacher(tmp_path, monkeypatch):
     monkeypatch.setenv("PADIR_DATA_ROOT", str(tmp_path))  # paths are resolved, not read
-    from components import artifacts, dag
-    from components import config as config_lib
 
     def size_config(fraction):
         path = scaling.size_overlay(str(tmp_path / f"{fraction}.yaml"),
