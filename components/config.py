@@ -441,12 +441,14 @@ class Decoder:
 
 # Decoding kinds: config validation, `padir translate`'s flags and inference all read this.
 DECODERS: dict[str, Decoder] = {
-    "ar_greedy": Decoder("teacher", ()),
-    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty")),
-    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init")),
-    "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets")),
+    "ar_greedy": Decoder("teacher", ("shortlist",)),
+    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist")),
+    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init",
+                                 "shortlist")),
+    "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
+                                        "shortlist")),
     "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
-                                    "length_offsets")),
+                                    "length_offsets", "shortlist")),
 }
 DECODE_KINDS = tuple(DECODERS)
 
@@ -468,6 +470,9 @@ class DecodeMethod:
       adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
                     num_length_candidates x length_offsets
 
+    Every kind reads `shortlist`: score only the target pieces a batch's sources can need
+    (model/shortlist.py, built from the model's own training pairs) instead of all V.
+
     `name` names the method in file names and reports.
     """
 
@@ -481,6 +486,7 @@ class DecodeMethod:
     init: Literal["mask", "random"] = "mask"
     tokens_per_step: int = 2
     criterion: Literal["top_prob", "margin"] = "margin"
+    shortlist: bool = False
 
     def __post_init__(self):
         where = f"decode method {self.name!r}"

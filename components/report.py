@@ -63,7 +63,8 @@ def describe_setting(method: DecodeMethod) -> str:
     """The settings a method's kind reads (`config.DECODERS`), in words, in that order:
     "greedy", "beam 4, length penalty 0.6", "iterations 4, 1 length candidate x offsets (0)",
     "2 tokens per pass by margin, 3 length candidates x offsets (-1, 0, 1)"; `init` only
-    when it is not the default [MASK] ("init random")."""
+    when it is not the default [MASK] ("init random"); "shortlist" last when it is on
+    ("greedy, shortlist")."""
     reads = DECODERS[method.kind].options
     words = []
     for option in reads:
@@ -90,9 +91,10 @@ def describe_setting(method: DecodeMethod) -> str:
         elif option == "init":
             if value != "mask":
                 words.append(f"init {value}")
-        else:
+        elif option != "shortlist":
             words.append(f"{option.replace('_', ' ')} {value}")
-    return ", ".join(words) or method.kind.replace("ar_", "")
+    words = words or [method.kind.replace("ar_", "")]
+    return ", ".join(words + (["shortlist"] if method.shortlist else []))
 
 
 def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[str, Any]:

@@ -227,6 +227,8 @@ def _add_decode_option(parser: argparse.ArgumentParser, field: dataclasses.Field
         (element, _), default = typing.get_args(annotation), ",".join(map(str, default))
         options = dict(metavar="D,D,...",
                        type=lambda text: tuple(element(d) for d in text.split(",")))
+    elif annotation is bool:
+        options = dict(action=argparse.BooleanOptionalAction)
     elif typing.get_origin(annotation) is Literal:
         options = dict(choices=typing.get_args(annotation))
     else:

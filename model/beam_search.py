@@ -43,6 +43,11 @@ def length_penalty(length: jax.Array, alpha: float | jax.Array) -> jax.Array:
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
+def _ids(columns: jax.Array, vocab_ids: jax.Array | None) -> jax.Array:
+    """Logits columns -> token ids (a shortlist maps column i to vocab_ids[i])."""
+    return columns if vocab_ids is None else vocab_ids[columns]
+
+
 def greedy_search(
     tokens_to_logits: TokensToLogits,
     cache: Any,
@@ -51,6 +56,7 @@ def greedy_search(
     max_len: int,
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
+    vocab_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Greedy decoding: argmax each step, a row stops at its EOS.
 
@@ -59,6 +65,8 @@ def greedy_search(
       cache: the initial (empty) cache for B rows.
       batch_size: B.
       max_len: T.
+      vocab_ids: int32[K], the id of each logits column when the callback scores a
+        shortlist (default: column i is id i).
 
     Returns:
       int32[B, T]: ids up to and including EOS, PAD_ID after it.
@@ -71,7 +79,7 @@ def greedy_search(
     def body(state):
         step, tokens, last, done, cache = state
         logits, cache = tokens_to_logits(last, cache)  # [B, V]
-        next_ids = argmax_last(logits)  # [B]
+        next_ids = _ids(argmax_last(logits), vocab_ids)  # [B]
         next_ids = jnp.where(done, PAD_ID, next_ids)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_ids[:, None], step, axis=1)
         done = done | (next_ids == eos_id)
@@ -130,6 +138,7 @@ def beam_search(
     alpha: float | jax.Array = 0.6,
     bos_id: int = BOS_ID,
     eos_id: int = EOS_ID,
+    vocab_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with the GNMT length penalty.
 
@@ -141,6 +150,7 @@ def beam_search(
       beam_size: K.
       max_len: T.
       alpha: length penalty exponent, >= 0 (0 = plain log-probability).
+      vocab_ids: as `greedy_search` (probabilities are then over the shortlist).
 
     Returns:
       sequences int32[B, K, T] (ids up to EOS, then PAD_ID), best first, and their scores
@@ -161,7 +171,7 @@ def beam_search(
         candidates = state.alive_log_probs[:, :, None] + log_probs  # [B, K, V]
         top_log_probs, top_index = jax.lax.top_k(candidates.reshape(batch, beams * vocab), beams)
         origin = top_index // vocab  # [B, K] alive beam each candidate extends
-        token = (top_index % vocab).astype(jnp.int32)  # [B, K]
+        token = _ids((top_index % vocab).astype(jnp.int32), vocab_ids)  # [B, K]
         seqs = _gather_beams(state.alive_seqs, origin)  # [B, K, T + 1]
         seqs = jax.lax.dynamic_update_slice_in_dim(seqs, token[:, :, None], step + 1, axis=2)
         cache = _gather_cache(cache, origin)

@@ -36,7 +36,9 @@ Definitions shared by the three decoders:
 * **Layout**: for a candidate of length L, positions 0..L-2 hold tokens ("content"),
   position L-1 holds EOS, positions >= L hold PAD, in every hypothesis and in the output.
 * **Distribution**: the logits are restricted to target ids (`mask_non_target_ids`: never
-  PAD, BOS, MASK, LENGTH); probabilities are the softmax over them.
+  PAD, BOS, MASK, LENGTH); probabilities are the softmax over them. With a shortlist
+  (`vocab_ids`, model/shortlist.py) every decoder scores only those ids: logits are
+  [N, T, K], column i is id vocab_ids[i], and the softmax is over the shortlist.
 * **Output tokens** at content positions are real pieces only (ids >= NUM_RESERVED: never
   EOS or UNK inside a sentence), so a decoded row is `pieces..., EOS, PAD...`.
 * **Score** of a candidate: the mean over its L positions (content and EOS) of the
@@ -93,8 +95,10 @@ class NARModel(Protocol):
         """What every pass over N rows reuses; valid bool[N, T] marks the non-PAD positions
         (the same in every pass)."""
 
-    def pass_logits(self, params: Params, memory: Any, hypothesis: jax.Array) -> jax.Array:
-        """One decoder pass: hypothesis int32[N, T] -> logits float32[N, T, V]."""
+    def pass_logits(self, params: Params, memory: Any, hypothesis: jax.Array,
+                    vocab_ids: jax.Array | None = None) -> jax.Array:
+        """One decoder pass: hypothesis int32[N, T] -> logits float32[N, T, V]; with a
+        shortlist vocab_ids int32[K] (reserved ids first), [N, T, K] for those ids."""
 
 
 @flax.struct.dataclass
@@ -207,8 +211,12 @@ class PassReading:
     eos_log_prob: jax.Array  # float32[N, T]
 
 
-def read_logits(logits: jax.Array) -> PassReading:
-    """float[N, T, V] logits -> PassReading (probabilities over target ids only)."""
+def read_logits(logits: jax.Array, vocab_ids: jax.Array | None = None) -> PassReading:
+    """float[N, T, V] logits -> PassReading (probabilities over target ids only).
+
+    With a shortlist, logits are [N, T, K] and column i is id vocab_ids[i] (ids sorted,
+    so the reserved ids keep their columns); probabilities are then over the shortlist.
+    """
     logits = mask_non_target_ids(logits.astype(jnp.float32))  # [N, T, V]
     real = logits[..., NUM_RESERVED:]  # [N, T, V - R]
     index = argmax_last(real)  # [N, T]
@@ -217,7 +225,9 @@ def read_logits(logits: jax.Array) -> PassReading:
     reserved_max = jnp.max(reserved, axis=-1)  # [N, T]
     top = jnp.maximum(real_max, reserved_max)  # [N, T]: the max over all ids
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # [N, T]
-    best_real = (index + NUM_RESERVED).astype(jnp.int32)  # [N, T]
+    best_real = (index + NUM_RESERVED).astype(jnp.int32)  # [N, T]: a column
+    if vocab_ids is not None:
+        best_real = vocab_ids[best_real]  # [N, T]: its id
     prediction = jnp.where(
         reserved_max >= real_max, jnp.argmax(reserved, axis=-1).astype(jnp.int32), best_real)
     return PassReading(
@@ -228,11 +238,12 @@ def read_logits(logits: jax.Array) -> PassReading:
     )
 
 
-def _logits_fn(model: NARModel, params: Params, candidates: Candidates, width: int
-               ) -> tuple[LogitsFn, jax.Array]:
+def _logits_fn(model: NARModel, params: Params, candidates: Candidates, width: int,
+               vocab_ids: jax.Array | None) -> tuple[LogitsFn, jax.Array]:
     """Repeats the encoding per candidate and builds the pass-invariant memory once.
 
-    Returns (logits_fn: int32[N, T] -> float[N, T, V], lengths int32[N]).
+    Returns (logits_fn: int32[N, T] -> float[N, T, V] (or [N, T, K] for a shortlist
+    vocab_ids int32[K]), lengths int32[N]).
     """
     lengths = candidates.lengths.reshape(-1)  # [N]
     repeats = candidates.lengths.shape[1]
@@ -243,7 +254,7 @@ def _logits_fn(model: NARModel, params: Params, candidates: Candidates, width: i
     memory = model.decoder_memory(params, encoded, memory_mask, valid)
 
     def logits_fn(hypothesis: jax.Array) -> jax.Array:
-        return model.pass_logits(params, memory, hypothesis)  # [N, T, V]
+        return model.pass_logits(params, memory, hypothesis, vocab_ids)  # [N, T, V or K]
 
     return logits_fn, lengths
 
@@ -323,12 +334,14 @@ class RefineState:
 
 
 def refine_loop(
-    logits_fn: LogitsFn, initial: jax.Array, lengths: jax.Array, max_iterations: int
+    logits_fn: LogitsFn, initial: jax.Array, lengths: jax.Array, max_iterations: int,
+    vocab_ids: jax.Array | None = None,
 ) -> RefineState:
     """Runs refinement passes on N rows until each is converged or T passes have run.
 
     Args:
-      logits_fn: hypothesis int32[N, T] -> logits float[N, T, V].
+      logits_fn: hypothesis int32[N, T] -> logits float[N, T, V] (or [N, T, K] over the
+        shortlist `vocab_ids`, see `read_logits`).
       initial: int32[N, T], the initial hypothesis (initial tokens, EOS, PAD).
       lengths: int32[N], counting EOS (consistent with `initial`).
       max_iterations: the most passes.
@@ -343,7 +356,7 @@ def refine_loop(
         return (state.step < max_iterations) & ~jnp.all(state.converged)
 
     def body(state: RefineState) -> RefineState:
-        reading = read_logits(logits_fn(state.hypothesis))  # [N, T] each
+        reading = read_logits(logits_fn(state.hypothesis), vocab_ids)  # [N, T] each
         hypothesis, _ = accept_predictions(reading.prediction, initial, content)  # [N, T]
         tokens = jnp.where(content, reading.best_real, initial)  # [N, T]: pieces, EOS, PAD
         token_log_probs = jnp.where(
@@ -382,6 +395,7 @@ def refine(
     max_iterations: int,
     init: Literal["mask", "random"] = "mask",
     rng: jax.Array | None = None,
+    vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """PaDIR decoding by parallel iterative refinement.
 
@@ -413,6 +427,8 @@ def refine(
       max_iterations: the most passes, >= 1 (static).
       init: "mask" or "random" (static).
       rng: a PRNG key, required by `init="random"`.
+      vocab_ids: int32[K], a shortlist to decode over (model/shortlist.py: sorted, the
+        reserved ids first); default all ids.
 
     Returns:
       DecodeResult of B rows.
@@ -424,14 +440,14 @@ def refine(
     if init == "random" and rng is None:
         raise ValueError('init="random" needs an rng')
     batch_size = candidates.lengths.shape[0]
-    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     initial = masked_hypothesis(lengths, width)  # [N, T]: MASK, EOS, PAD
     if init == "random":
         pieces = jax.random.randint(
             rng, initial.shape, model.first_real_id, model.vocab_size, jnp.int32
         )  # [N, T]
         initial = jnp.where(initial == MASK_ID, pieces, initial)  # [N, T]
-    state = refine_loop(logits_fn, initial, lengths, max_iterations)
+    state = refine_loop(logits_fn, initial, lengths, max_iterations, vocab_ids)
     return _choose(state.tokens, state.token_log_probs, state.passes, lengths, batch_size)
 
 
@@ -483,6 +499,7 @@ def mask_predict(
     *,
     width: int,
     iterations: int,
+    vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """Mask-Predict (Ghazvininejad et al. 2019) with a length beam.
 
@@ -496,7 +513,7 @@ def mask_predict(
     still runs in the batch).
 
     Args:
-      model, params, candidates, width: as `refine`.
+      model, params, candidates, width, vocab_ids: as `refine`.
       iterations: T >= 1 (static).
 
     Returns:
@@ -505,7 +522,7 @@ def mask_predict(
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     batch_size = candidates.lengths.shape[0]
-    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     content, eos, _ = _layout(lengths, width)  # [N, T] each
     num_content = lengths - 1  # [N]
 
@@ -513,7 +530,7 @@ def mask_predict(
         return state.step < iterations
 
     def body(state: MaskPredictState) -> MaskPredictState:
-        reading = read_logits(logits_fn(state.hypothesis))  # [N, T] each
+        reading = read_logits(logits_fn(state.hypothesis), vocab_ids)  # [N, T] each
         predict = content & (state.hypothesis == MASK_ID)  # [N, T]
         hypothesis = jnp.where(predict, reading.best_real, state.hypothesis)  # [N, T]
         token_log_probs = jnp.where(
@@ -584,6 +601,7 @@ def adaptive(
     width: int,
     tokens_per_step: int,
     criterion: Literal["top_prob", "margin"],
+    vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """Adaptive-order unmasking (Kim et al. 2025, "Train for the Worst, Plan for the Best").
 
@@ -594,7 +612,7 @@ def adaptive(
     frozen while longer rows go on; the loop runs at most ceil((T - 1) / K) passes.
 
     Args:
-      model, params, candidates, width: as `refine`.
+      model, params, candidates, width, vocab_ids: as `refine`.
       tokens_per_step: K >= 1 (static).
       criterion: "top_prob" or "margin" (static).
 
@@ -606,7 +624,7 @@ def adaptive(
     if criterion not in CRITERIA:
         raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
     batch_size = candidates.lengths.shape[0]
-    logits_fn, lengths = _logits_fn(model, params, candidates, width)  # lengths [N]
+    logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     content, eos, _ = _layout(lengths, width)  # [N, T] each
     max_steps = -(-(width - 1) // tokens_per_step)
 
@@ -619,7 +637,7 @@ def adaptive(
         log_probs = jax.nn.log_softmax(logits, axis=-1)  # [N, T, V]: top-2 needs them
         masked = content & (state.hypothesis == MASK_ID)  # [N, T]
         active = jnp.any(masked, axis=1)  # [N]
-        reading = read_logits(logits)  # [N, T] each
+        reading = read_logits(logits, vocab_ids)  # [N, T] each
         chosen = lowest_ranked(
             -certainty(log_probs, criterion), masked, jnp.asarray(tokens_per_step)
         )  # [N, T]: the K most certain masked positions

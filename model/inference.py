@@ -27,6 +27,13 @@ discarded: a copy finishes when its original does, so filler rows never lengthen
 `while_loop`. A translator therefore compiles once per source bucket S (`TRACES` counts
 those traces) and, for the PaDIR kinds, once per width T (`WIDTH_TRACES`).
 
+Shortlist (`DecodeMethod.shortlist`, every kind): each batch decodes over the target pieces
+its sources can need (`model/shortlist.py`: frequent pieces, the source's own pieces, the
+pieces most associated with them), selected on the host per batch from a table built from
+the model's own training pairs (the `encode` or `encode_distilled` artifact its manifest
+names), once per process (`shortlist_table`). The search then compiles once per width and
+shortlist size (a multiple of `shortlist.SIZE_STEP`).
+
 Timing. A batch whose shapes (S, cap, T) were not met before is decoded twice and timed the
 second time (the first compiles):
 `batch_seconds` is the wall time from the first jitted call until the last one's
@@ -62,7 +69,7 @@ from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from model import checkpoints, decoding, train
+from model import checkpoints, decoding, input_pipeline, shortlist, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -70,12 +77,15 @@ log = logging.getLogger(__name__)
 TRAINING_STAGES = ("teacher", "student")
 # Checkpoint restores in this process, by artifact URI (tests assert "once per process");
 # traces of the encoding call, by (artifact URI, method name, batch size), one per source
-# bucket; traces of the PaDIR search, by (artifact URI, method name, batch size, width).
+# bucket; traces of the search, by (artifact URI, method name, batch size, width, columns
+# scored: the shortlist's size or V).
 RESTORES: collections.Counter = collections.Counter()
 TRACES: collections.Counter = collections.Counter()
 WIDTH_TRACES: collections.Counter = collections.Counter()
 _CACHE: dict[tuple[str, str], "LoadedModel"] = {}
 _CACHE_LOCK = threading.Lock()
+_SHORTLISTS: dict[str, shortlist.Shortlist] = {}
+TRAINING_DATA = ("encode", "encode_distilled")  # the manifest inputs a model trained on
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -154,6 +164,18 @@ def load_cached(uri: str) -> LoadedModel:
         return _CACHE[key]
 
 
+def shortlist_table(loaded: LoadedModel) -> shortlist.Shortlist:
+    """The shortlist table of a model's own training pairs, built once per process."""
+    with _CACHE_LOCK:
+        if loaded.uri not in _SHORTLISTS:
+            inputs = artifacts.read(loaded.uri).manifest["inputs"]
+            [data] = [uri for name, uri in inputs.items() if name in TRAINING_DATA]
+            pairs = input_pipeline.read_pairs(input_pipeline.split_files(data, "train"))
+            _SHORTLISTS[loaded.uri] = shortlist.build(pairs, loaded.tokenizer.vocab_size)
+            log.info("shortlist table of %s built from %s", loaded.uri, data)
+        return _SHORTLISTS[loaded.uri]
+
+
 @dataclasses.dataclass(frozen=True)
 class Translation:
     """The decoding of one sentence (see the module docstring for the definitions)."""
@@ -193,41 +215,46 @@ def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Arr
 
 
 def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
-                  rng: jax.Array, *, width: int) -> dict[str, Optional[jax.Array]]:
-    """The second call, into `width` positions: `SEARCHES[method.kind]`."""
-    return SEARCHES[method.kind](model, method, params, encoded, rng, width=width)
+                  rng: jax.Array, vocab_ids: Optional[jax.Array], *, width: int
+                  ) -> dict[str, Optional[jax.Array]]:
+    """The second call, into `width` positions, over the shortlist `vocab_ids` (None: all
+    ids): `SEARCHES[method.kind]`."""
+    return SEARCHES[method.kind](model, method, params, encoded, rng, vocab_ids, width=width)
 
 
-# Each search: (model, method, params, encoded, rng, *, width) -> {"tokens": int32[B, T],
-# "scores": float32[B] or None (no score), "passes": int32[B] or None (AR: one pass per
-# hypothesis token, counted on the host)}. `encoded` is what `_encode_batch` returned.
+# Each search: (model, method, params, encoded, rng, vocab_ids, *, width) ->
+# {"tokens": int32[B, T], "scores": float32[B] or None (no score), "passes": int32[B] or None
+# (AR: one pass per hypothesis token, counted on the host)}. `encoded` is what
+# `_encode_batch` returned; `vocab_ids` the batch's shortlist or None.
 
 
-def _ar_greedy(model, method, params, encoded, rng, *, width):
-    return {"tokens": model.greedy(params, *encoded, width), "scores": None, "passes": None}
+def _ar_greedy(model, method, params, encoded, rng, vocab_ids, *, width):
+    return {"tokens": model.greedy(params, *encoded, width, vocab_ids), "scores": None,
+            "passes": None}
 
 
-def _ar_beam(model, method, params, encoded, rng, *, width):
+def _ar_beam(model, method, params, encoded, rng, vocab_ids, *, width):
     tokens, scores = model.beam(params, *encoded, width, method.beam_size,
-                                method.length_penalty)
+                                method.length_penalty, vocab_ids)
     return {"tokens": tokens, "scores": scores, "passes": None}
 
 
-def _refine(model, method, params, encoded, rng, *, width):
+def _refine(model, method, params, encoded, rng, vocab_ids, *, width):
     return _result(decoding.refine(model, params, encoded, width=width,
                                    max_iterations=method.iterations, init=method.init,
-                                   rng=rng if method.init == "random" else None))
+                                   rng=rng if method.init == "random" else None,
+                                   vocab_ids=vocab_ids))
 
 
-def _mask_predict(model, method, params, encoded, rng, *, width):
+def _mask_predict(model, method, params, encoded, rng, vocab_ids, *, width):
     return _result(decoding.mask_predict(model, params, encoded, width=width,
-                                         iterations=method.iterations))
+                                         iterations=method.iterations, vocab_ids=vocab_ids))
 
 
-def _adaptive(model, method, params, encoded, rng, *, width):
+def _adaptive(model, method, params, encoded, rng, vocab_ids, *, width):
     return _result(decoding.adaptive(model, params, encoded, width=width,
                                      tokens_per_step=method.tokens_per_step,
-                                     criterion=method.criterion))
+                                     criterion=method.criterion, vocab_ids=vocab_ids))
 
 
 def _result(result: Any) -> dict[str, jax.Array]:
@@ -273,16 +300,19 @@ class Translator:
             raise ValueError(f"bucket {self.boundaries[-1]} is wider than the model's "
                              f"max_source_len/max_target_len")
         self._rng = jax.random.key(seed)
-        self._warm: set[tuple[int, int, int]] = set()  # (S, cap, width) compiled
+        self._shortlist = shortlist_table(loaded) if method.shortlist else None
+        self._warm: set[tuple[int, int, int, int]] = set()  # (S, cap, width, columns) compiled
         trace_key = (loaded.uri, method.name, batch_size)
 
         def encode(params, source, *, max_len):
             TRACES[trace_key] += 1  # a Python side effect: runs once per trace
             return _encode_batch(loaded.model, method, params, source, max_len=max_len)
 
-        def search(params, encoded, rng, *, width):
-            WIDTH_TRACES[trace_key + (width,)] += 1
-            return _search_batch(loaded.model, method, params, encoded, rng, width=width)
+        def search(params, encoded, rng, vocab_ids, *, width):
+            columns = loaded.model.vocab_size if vocab_ids is None else vocab_ids.shape[0]
+            WIDTH_TRACES[trace_key + (width, columns)] += 1
+            return _search_batch(loaded.model, method, params, encoded, rng, vocab_ids,
+                                 width=width)
 
         self._jit_encode = jax.jit(encode, static_argnames=("max_len",))
         self._jit_search = jax.jit(search, static_argnames=("width",))
@@ -307,10 +337,11 @@ class Translator:
             row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence
             source[i, :len(row)] = row
         timed = self._call(source, max_len)
-        if (source_width, max_len, timed[-1]) not in self._warm:  # it compiled: run again
-            self._warm.add((source_width, max_len, timed[-1]))
+        shape = (source_width, max_len) + timed[-2:]
+        if shape not in self._warm:  # it compiled: run again
+            self._warm.add(shape)
             timed = self._call(source, max_len)
-        output, seconds, encode_seconds, search_seconds, decoded_width = timed
+        output, seconds, encode_seconds, search_seconds, decoded_width, _ = timed
         output = jax.device_get(output)
         translations = []
         for i, row in enumerate(rows):
@@ -333,8 +364,9 @@ class Translator:
         return translations
 
     def _call(self, source: np.ndarray, max_len: int
-              ) -> tuple[dict[str, jax.Array], float, float, float, int]:
-        """Both calls, timed: (output, seconds, encode seconds, search seconds, width)."""
+              ) -> tuple[dict[str, jax.Array], float, float, float, int, int]:
+        """Both calls, timed: (output, seconds, encode seconds, search seconds, width,
+        columns scored). The shortlist is selected on the host, timed with the width."""
         started = time.perf_counter()
         encoded = jax.block_until_ready(
             self._jit_encode(self.loaded.params, source, max_len=max_len))
@@ -343,8 +375,11 @@ class Translator:
             width = max_len
         else:
             width = decoding.output_width(encoded.lengths, max_len)
+        vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)
         chosen_at = time.perf_counter()
         output = jax.block_until_ready(
-            self._jit_search(self.loaded.params, encoded, self._rng, width=width))
+            self._jit_search(self.loaded.params, encoded, self._rng, vocab_ids, width=width))
         done = time.perf_counter()
-        return output, done - started, encoded_at - started, done - chosen_at, width
+        columns = self.loaded.model.vocab_size if vocab_ids is None else len(vocab_ids)
+        return (output, done - started, encoded_at - started, done - chosen_at, width,
+                columns)

@@ -272,6 +272,18 @@ class TrainingStream:
             yield position, _process_rows(batch, self.process_index, self.process_count)
 
 
+def read_pairs(files: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Every (source ids, target ids) pair of the shards, EOS included, in file order."""
+    examples = (
+        tf.data.TFRecordDataset(sorted(files))
+        .batch(_PARSE_BATCH)
+        .map(lambda records: _parse(records, with_id=False, max_len=np.iinfo(np.int32).max))
+        .unbatch()
+    )
+    for example in examples.with_options(_options()).as_numpy_iterator():
+        yield example["source"], example["target"]
+
+
 def eval_batches(files: Sequence[str], *, boundaries: Sequence[int], batch_sizes: Sequence[int],
                  process_index: int = 0, process_count: int = 1
                  ) -> Iterator[tuple[list[str], Batch]]:

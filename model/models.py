@@ -164,19 +164,23 @@ class ARModel(_BaseModel):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def make_tokens_to_logits(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array,
+        vocab_ids: jax.Array | None = None,
     ) -> search.TokensToLogits:
         """The one-step callback: (ids int32[N, 1], cache) -> (logits float32[N, V], cache).
 
         `encoded`/`memory_mask` must already have N rows. Logits of ids that are never
-        targets (pad, BOS, control ids) are masked so that no search emits them.
+        targets (pad, BOS, control ids) are masked so that no search emits them. With
+        `vocab_ids` (a shortlist, reserved ids first: model/shortlist.py) the logits are
+        [N, K], column i for id vocab_ids[i].
         """
 
         def tokens_to_logits(ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
             logits, variables = self.module.apply(
                 {"params": params, "cache": cache}, encoded, memory_mask, ids,
-                decode=True, method=ARTransformer.decode, mutable=["cache"],
-            )  # [N, 1, V]
+                decode=True, vocab_ids=vocab_ids, method=ARTransformer.decode,
+                mutable=["cache"],
+            )  # [N, 1, V or K]
             return mask_non_target_ids(logits[:, 0]), variables["cache"]
 
         return tokens_to_logits
@@ -188,16 +192,19 @@ class ARModel(_BaseModel):
         return self.greedy(params, encoded, memory_mask, _output_length(self.config, batch))
 
     def greedy(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int,
+        vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Greedy decoding of an encoded batch (`predict_batch` after `encode`); the loop
-        stops when every row has emitted EOS. Returns int32[B, max_len]."""
+        stops when every row has emitted EOS. `vocab_ids`: a shortlist to decode over
+        (default: all ids). Returns int32[B, max_len]."""
         cache = self.init_cache(params, encoded, memory_mask, max_len)
         return search.greedy_search(
-            self.make_tokens_to_logits(params, encoded, memory_mask),
+            self.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids),
             cache,
             batch_size=encoded.shape[0],
             max_len=max_len,
+            vocab_ids=vocab_ids,
         )
 
     def beam_search(
@@ -214,21 +221,23 @@ class ARModel(_BaseModel):
 
     def beam(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int,
-        beam_size: int, length_penalty: float = 0.6,
+        beam_size: int, length_penalty: float = 0.6, vocab_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """`beam_search` of an encoded batch: (int32[B, max_len], float32[B])."""
+        """`beam_search` of an encoded batch: (int32[B, max_len], float32[B]); `vocab_ids`
+        as `greedy`."""
         batch_size = encoded.shape[0]
         # Row b * K + k is beam k of example b.
         encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
         memory_mask = jnp.repeat(memory_mask, beam_size, axis=0)  # [B * K, S]
         cache = self.init_cache(params, encoded, memory_mask, max_len)
         seqs, scores = search.beam_search(
-            self.make_tokens_to_logits(params, encoded, memory_mask),
+            self.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids),
             cache,
             batch_size=batch_size,
             beam_size=beam_size,
             max_len=max_len,
             alpha=length_penalty,
+            vocab_ids=vocab_ids,
         )  # [B, K, T], [B, K]
         return seqs[:, 0], scores[:, 0]
 
@@ -337,13 +346,14 @@ class PaDIRModel(_BaseModel):
 
     def pass_logits(
         self, params: Params, memory: tuple[jax.Array, jax.Array, jax.Array],
-        hypothesis: jax.Array,
+        hypothesis: jax.Array, vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """One decoding pass over `decoder_memory`'s rows: hypothesis int32[N, T] ->
-        logits float32[N, T, V], non-target ids masked (as `decode_logits`)."""
+        logits float32[N, T, V], non-target ids masked (as `decode_logits`); with
+        `vocab_ids` (a shortlist, reserved ids first) [N, T, K], column i for vocab_ids[i]."""
         encoded, memory_mask, valid = memory
         logits = self.module.apply(
-            {"params": params}, encoded, memory_mask, hypothesis, True, valid,
+            {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
             method=PaDIRTransformer.decode,
         )
         return mask_non_target_ids(logits)

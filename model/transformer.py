@@ -216,10 +216,18 @@ class DecoderLayer(nn.Module):
         return x + dropout(h, deterministic=deterministic)
 
 
-def _output_logits(config: ModelConfig, embedding: nn.Embed, y: jax.Array) -> jax.Array:
+def _output_logits(config: ModelConfig, embedding: nn.Embed, y: jax.Array,
+                   vocab_ids: jax.Array | None) -> jax.Array:
     # Tied projection; scaled by D^-1/2 (as T5 does) so unit-variance embeddings give
-    # unit-scale logits. Logits are float32 whatever the compute dtype.
-    return (embedding.attend(y) * config.d_model**-0.5).astype(jnp.float32)
+    # unit-scale logits. Logits are float32 whatever the compute dtype. With `vocab_ids`
+    # (int32[K], a shortlist: model/shortlist.py) only those rows of the table are scored.
+    if vocab_ids is None:
+        logits = embedding.attend(y)  # [..., V]
+    else:
+        table = jnp.take(embedding.embedding, vocab_ids, axis=0)  # [K, D]
+        y, table = nn.dtypes.promote_dtype(y, table, dtype=config.dtype)
+        logits = y @ table.T  # [..., K]
+    return (logits * config.d_model**-0.5).astype(jnp.float32)
 
 
 class NARDecoder(nn.Module):
@@ -236,14 +244,16 @@ class NARDecoder(nn.Module):
         hypothesis: jax.Array,
         deterministic: bool,
         valid: jax.Array | None = None,
+        vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """encoded: [B, S, D]; memory_mask: bool[B, S]; hypothesis: int32[B, T] (0 = pad);
-        valid: bool[B, T], the non-pad positions (default: computed from `hypothesis`).
+        valid: bool[B, T], the non-pad positions (default: computed from `hypothesis`);
+        vocab_ids: int32[K], score only these ids (a shortlist; default: all V).
         Decoding passes `valid` from outside its loop: then the masks, the positional
         attention weights and the cross-attention keys/values depend on loop constants
         only, and XLA computes them once, before the first pass.
 
-        Returns logits float32[B, T, V] for the target at every position.
+        Returns logits float32[B, T, V] (or [B, T, K]) for the target at every position.
         """
         cfg = self.config
         batch, length = hypothesis.shape
@@ -262,7 +272,7 @@ class NARDecoder(nn.Module):
                 cfg, positional_attention=cfg.positional_attention, name=f"layer_{i}"
             )(x, encoded, self_mask, cross_mask, positions, deterministic)
         y = _rms_norm(cfg, "final_norm")(x)
-        return _output_logits(cfg, self.shared_embedding, y)  # [B, T, V]
+        return _output_logits(cfg, self.shared_embedding, y, vocab_ids)  # [B, T, V or K]
 
 
 class ARDecoder(nn.Module):
@@ -280,12 +290,13 @@ class ARDecoder(nn.Module):
         target_mask: jax.Array | None,
         deterministic: bool,
         decode: bool,
+        vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """encoded: [B, S, D]; memory_mask: bool[B, S]; inputs: int32[B, T] right-shifted
         targets (T = 1 per call when decoding with a filled cache); target_mask: bool[B, T]
-        (None = all valid; ignored when decoding).
+        (None = all valid; ignored when decoding); vocab_ids: as `NARDecoder`.
 
-        Returns logits float32[B, T, V].
+        Returns logits float32[B, T, V] (or [B, T, K]).
         """
         cfg = self.config
         batch, length = inputs.shape
@@ -319,7 +330,7 @@ class ARDecoder(nn.Module):
                 x, encoded, self_mask, cross_mask, None, deterministic
             )
         y = _rms_norm(cfg, "final_norm")(x)
-        return _output_logits(cfg, self.shared_embedding, y)  # [B, T, V]
+        return _output_logits(cfg, self.shared_embedding, y, vocab_ids)  # [B, T, V or K]
 
 
 def _shared_embedding(config: ModelConfig, vocab_size: int) -> nn.Embed:
@@ -379,10 +390,11 @@ class PaDIRTransformer(nn.Module):
         hypothesis: jax.Array,
         deterministic: bool = True,
         valid: jax.Array | None = None,
+        vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """One refinement pass. hypothesis: int32[B, T]; valid: as `NARDecoder`.
-        Returns logits float32[B, T, V]."""
-        return self.decoder(encoded, memory_mask, hypothesis, deterministic, valid)
+        """One refinement pass. hypothesis: int32[B, T]; valid, vocab_ids: as `NARDecoder`.
+        Returns logits float32[B, T, V] (or [B, T, K])."""
+        return self.decoder(encoded, memory_mask, hypothesis, deterministic, valid, vocab_ids)
 
     def __call__(self, source: jax.Array, hypothesis: jax.Array, deterministic: bool = True):
         """Returns (token logits float32[B, T, V], length logits float32[B, max_target_len])."""
@@ -414,10 +426,12 @@ class ARTransformer(nn.Module):
         target_mask: jax.Array | None = None,
         deterministic: bool = True,
         decode: bool = False,
+        vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """inputs: int32[B, T] right-shifted targets, or [B, 1] with `decode=True` and a
-        filled cache. Returns logits float32[B, T, V]."""
-        return self.decoder(encoded, memory_mask, inputs, target_mask, deterministic, decode)
+        filled cache; vocab_ids: as `NARDecoder`. Returns logits float32[B, T, V] (or K)."""
+        return self.decoder(encoded, memory_mask, inputs, target_mask, deterministic, decode,
+                            vocab_ids)
 
     def __call__(self, source: jax.Array, target: jax.Array, deterministic: bool = True):
         """Teacher forcing. target: int32[B, T] ids + EOS, 0-padded. Returns [B, T, V]."""

@@ -9,11 +9,13 @@ tiny models costs ~2 minutes and is covered by tests/test_stages.py. Decoding re
 exactly as it reads trained ones; the hypotheses are nonsense, which no test here minds.
 """
 
+import functools
 import io
 import json
 import logging
 
 import apache_beam as beam
+import numpy as np
 import pytest
 import sacrebleu
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
@@ -24,9 +26,10 @@ from components import artifacts, corpus, dag, report
 from components import score as score_stage
 from components import config as config_lib
 from components.config import ConfigError, DecodeMethod
+from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import inference
+from model import inference, shortlist
 from pipelines import decode
 from pipelines import inference as beam_inference
 from tiny_experiment import ensure, publish_untrained, tiny_config
@@ -161,6 +164,29 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
         inference.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
 
 
+def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkeypatch):
+    """The table comes from the model's own training pairs, once; every hypothesis keeps to
+    its batch's selection; the search compiles per width and shortlist size."""
+    ensure(config, "encode")
+    monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
+    monkeypatch.setattr(shortlist, "select", functools.partial(shortlist.select, frequent=8))
+    loaded = inference.load_cached(_uri(config, "teacher"))
+    translator = inference.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
+                                                           shortlist=True),
+                                      batch_size=1, boundaries=BUCKETS)
+    table = inference.shortlist_table(loaded)
+    assert inference.shortlist_table(loaded) is table
+    assert table.vocab_size == loaded.tokenizer.vocab_size
+    sentences = _sentences(config, 3, range(2, 9))
+    for sentence, translation in zip(sentences, translator.translate(sentences)):
+        source = np.array([loaded.tokenizer.encode([sentence])[0] + [EOS_ID]])
+        allowed = shortlist.select(table, source)
+        assert len(allowed) < loaded.tokenizer.vocab_size and len(allowed) % 8 == 0
+        assert set(translation.tokens) <= set(allowed.tolist())
+    sizes = {key[4] for key in inference.WIDTH_TRACES if key[:3] == (loaded.uri, "g_short", 1)}
+    assert sizes and all(size % 8 == 0 and size < loaded.tokenizer.vocab_size for size in sizes)
+
+
 # --- the decode and score stages ---------------------------------------------------------
 
 
@@ -271,6 +297,7 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
 def test_the_report_names_each_methods_setting():
     settings = {
         DecodeMethod("g", "ar_greedy"): "greedy",
+        DecodeMethod("gs", "ar_greedy", shortlist=True): "greedy, shortlist",
         DecodeMethod("b", "ar_beam"): "beam 4, length penalty 0.6",
         DecodeMethod("b8", "ar_beam", beam_size=8, length_penalty=1.0):
             "beam 8, length penalty 1",
@@ -278,8 +305,8 @@ def test_the_report_names_each_methods_setting():
         DecodeMethod("p3", "padir", iterations=10, num_length_candidates=3,
                      length_offsets=(-1, 0, 1), init="random"):
             "iterations 10, 3 length candidates x offsets (-1, 0, 1), init random",
-        DecodeMethod("m", "mask_predict", iterations=10):
-            "iterations 10, 1 length candidate x offsets (0)",
+        DecodeMethod("m", "mask_predict", iterations=10, shortlist=True):
+            "iterations 10, 1 length candidate x offsets (0), shortlist",
         DecodeMethod("a", "adaptive", tokens_per_step=1, criterion="top_prob"):
             "1 token per pass by top_prob, 1 length candidate x offsets (0)",
     }

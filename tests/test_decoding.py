@@ -51,12 +51,13 @@ class CopyOracle:
         return {"reference": encoded["reference"][:, :valid.shape[1]],
                 "restless": encoded["restless"]}
 
-    def pass_logits(self, params, memory, hypothesis):
+    def pass_logits(self, params, memory, hypothesis, vocab_ids=None):
         reference = memory["reference"]  # [N, T]
         shifted = FIRST_REAL + (reference - FIRST_REAL + 1) % (VOCAB - FIRST_REAL)
         shifted = jnp.where(reference >= FIRST_REAL, shifted, reference)
         flip = memory["restless"][:, None] & (hypothesis[:, :1] == reference[:, :1])
-        return 20.0 * jax.nn.one_hot(jnp.where(flip, shifted, reference), VOCAB)
+        logits = 20.0 * jax.nn.one_hot(jnp.where(flip, shifted, reference), VOCAB)
+        return logits if vocab_ids is None else logits[..., vocab_ids]
 
 
 ORACLE = CopyOracle()
@@ -395,3 +396,54 @@ def test_a_pass_recomputes_nothing_that_is_fixed_across_passes(trained):
     assert _loop_body_ops(compiled, "dot") == 15 * CONFIG.num_decoder_layers + 1
     # Softmaxes: self- and cross-attention per layer, then the one exp-sum over the vocabulary.
     assert _loop_body_ops(compiled, "exponential") == 2 * CONFIG.num_decoder_layers + 1
+
+
+# --- shortlists (model/shortlist.py) --------------------------------------------------------
+
+
+def test_read_logits_over_a_shortlist_reads_the_full_logits_restricted_to_it():
+    logits = jax.random.normal(jax.random.key(1), (3, 5, VOCAB)) * 3.0
+    vocab_ids = jnp.asarray(np.union1d(np.arange(NUM_RESERVED), [7, 11, 12, 30]), jnp.int32)
+    outside = jnp.ones(VOCAB, bool).at[vocab_ids].set(False)
+    restricted = decoding.read_logits(jnp.where(outside, -1e9, logits))
+    reading = decoding.read_logits(logits[..., vocab_ids], vocab_ids)
+    for field in ("prediction", "best_real"):
+        np.testing.assert_array_equal(getattr(reading, field), getattr(restricted, field))
+    assert set(np.unique(reading.best_real)) <= {7, 11, 12, 30}
+    for field in ("best_real_log_prob", "eos_log_prob"):
+        np.testing.assert_allclose(getattr(reading, field), getattr(restricted, field),
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_DECODERS))
+def test_a_shortlist_holding_the_answer_decodes_the_tokens_of_all_ids(name):
+    decoder, options = ALL_DECODERS[name]
+    model = CopyOracle(config=WIDE)
+    source = _wide_rows(4, 11, 6)
+    params = {"restless": jnp.array([False, True, False])}
+    # The restless row's shifted copies are answers too: keep every id it can emit.
+    shifted = FIRST_REAL + (np.asarray(source) - FIRST_REAL + 1) % (VOCAB - FIRST_REAL)
+    vocab_ids = jnp.asarray(np.union1d(np.arange(NUM_RESERVED), np.union1d(source, shifted)),
+                            jnp.int32)
+    assert len(vocab_ids) < VOCAB
+    common = dict(num_length_candidates=1, length_offsets=(-1, 0), **options)
+    full = _decode(decoder, model, params, source, **common)
+    short = _decode(decoder, model, params, source, vocab_ids=vocab_ids, **common)
+    for field in ("tokens", "passes", "lengths"):
+        np.testing.assert_array_equal(getattr(short, field), getattr(full, field))
+    np.testing.assert_allclose(short.scores, full.scores, atol=1e-5)
+
+
+def test_a_trained_model_decodes_only_shortlisted_ids(trained):
+    model, params, _ = trained
+    every = jnp.arange(VOCAB, dtype=jnp.int32)
+    run = functools.partial(_decode, decoding.refine, model, params, BATCH["source"],
+                            num_length_candidates=1, length_offsets=(0,), max_iterations=4)
+    full, same = run(), run(vocab_ids=every)  # the real output layer, over a shortlist
+    np.testing.assert_array_equal(same.tokens, full.tokens)
+    np.testing.assert_allclose(same.scores, full.scores, atol=1e-5)
+    missing = np.unique(np.asarray(full.tokens)[:, 0])  # every first word of the answers
+    vocab_ids = jnp.asarray(np.setdiff1d(np.arange(VOCAB), missing), jnp.int32)
+    short = run(vocab_ids=vocab_ids)
+    assert not np.any(np.isin(np.asarray(short.tokens)[:, 0], missing))
+    assert np.all(np.isin(np.asarray(short.tokens), vocab_ids))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
 from tiny_models import BATCH, CONFIG, FIRST_REAL, VOCAB, memorised_padir, train
 
@@ -109,3 +109,37 @@ def test_padir_predict_batch_places_eos_at_the_predicted_length(padir_trained):
     for row, n in zip(np.asarray(prediction), np.argmax(length_logits, -1) + 1):
         assert row[n - 1] == EOS_ID and np.all(row[n:] == PAD_ID)
         assert np.all(row[: n - 1] != PAD_ID)
+
+
+def _shortlist_of(targets):
+    """The reserved ids and every id of `targets`, sorted (a shortlist's layout)."""
+    return jnp.asarray(np.union1d(np.arange(NUM_RESERVED), np.asarray(targets)), jnp.int32)
+
+
+def test_ar_searches_over_a_shortlist_holding_the_answer_decode_the_same(ar_trained):
+    model, params = ar_trained
+    encoded, memory_mask = jax.jit(model.encode)(params, BATCH["source"])
+    width = BATCH["target"].shape[1]
+    vocab_ids = _shortlist_of(BATCH["target"])
+    assert len(vocab_ids) < VOCAB
+    greedy = jax.jit(model.greedy, static_argnums=3)
+    np.testing.assert_array_equal(
+        greedy(params, encoded, memory_mask, width, vocab_ids), BATCH["target"])
+    beam = jax.jit(model.beam, static_argnums=(3, 4))
+    full_tokens, full_scores = beam(params, encoded, memory_mask, width, 4)
+    tokens, scores = beam(params, encoded, memory_mask, width, 4, 0.6, vocab_ids)
+    np.testing.assert_array_equal(tokens, full_tokens)
+    # Probabilities are renormalised over the shortlist: never lower than over all ids.
+    assert np.all(np.asarray(scores) >= np.asarray(full_scores) - 1e-5)
+
+
+def test_ar_searches_emit_only_shortlisted_ids(ar_trained):
+    model, params = ar_trained
+    encoded, memory_mask = jax.jit(model.encode)(params, BATCH["source"])
+    width = BATCH["target"].shape[1]
+    missing = int(BATCH["target"][0, 0])  # the first answer is not in the shortlist
+    vocab_ids = np.setdiff1d(np.arange(VOCAB), [missing]).astype(np.int32)
+    tokens = jax.jit(model.greedy, static_argnums=3)(
+        params, encoded, memory_mask, width, jnp.asarray(vocab_ids))
+    assert int(tokens[0, 0]) != missing
+    assert np.all(np.isin(np.asarray(tokens), vocab_ids))
