@@ -38,16 +38,17 @@ SIZE_STEP = 128  # a shortlist's size is a multiple of this (one compilation per
 class Shortlist:
     """The table a shortlist is selected from (`build`)."""
 
-    by_frequency: np.ndarray  # int32[V]: every id, reserved first, then by target frequency
-    by_source: np.ndarray  # int32[V, PER_SOURCE]: per source id its associated ids, -1 pad
+    always: np.ndarray  # bool[V]: the reserved ids and the `frequent` most frequent pieces
+    by_source: np.ndarray  # int32[V, per_source]: per source id its associated ids, -1 pad
+    fill_order: np.ndarray  # int32[V - count of always]: the other ids, most frequent first
 
     @property
     def vocab_size(self) -> int:
-        return len(self.by_frequency)
+        return len(self.always)
 
 
 def build(pairs: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int, *,
-          per_source: int = PER_SOURCE) -> Shortlist:
+          frequent: int = FREQUENT, per_source: int = PER_SOURCE) -> Shortlist:
     """The table of a training corpus: pairs of (source ids, target ids), EOS included or not.
 
     Counts are over sentences (a piece counted once per sentence), over real pieces only.
@@ -74,24 +75,26 @@ def build(pairs: Iterable[tuple[np.ndarray, np.ndarray]], vocab_size: int, *,
     by_source = np.full((vocab_size, per_source), -1, np.int32)
     by_source[source_ids[keep], rank[keep]] = target_ids[keep]
     real = np.arange(NUM_RESERVED, vocab_size)
-    real = real[np.lexsort((real, -target_counts[real]))]  # most frequent first
-    by_frequency = np.concatenate([np.arange(NUM_RESERVED), real]).astype(np.int32)
-    return Shortlist(by_frequency=by_frequency, by_source=by_source)
+    real = real[np.lexsort((real, -target_counts[real]))].astype(np.int32)  # most frequent first
+    always = np.zeros(vocab_size, bool)
+    always[:NUM_RESERVED] = True
+    always[real[:frequent]] = True
+    return Shortlist(always=always, by_source=by_source, fill_order=real[frequent:])
 
 
-def select(table: Shortlist, source: np.ndarray, *, frequent: int = FREQUENT) -> np.ndarray:
+def select(table: Shortlist, source: np.ndarray) -> np.ndarray:
     """The sorted ids a batch may decode to: int32[K], K a multiple of `SIZE_STEP` (or V).
 
     source: int[B, S], a batch's source ids (padding and EOS are reserved ids, ignored).
     """
     vocab_size = table.vocab_size
-    pieces = np.unique(source[(source >= NUM_RESERVED) & (source < vocab_size)])
-    chosen = np.zeros(vocab_size, bool)
-    chosen[table.by_frequency[:NUM_RESERVED + frequent]] = True
+    pieces = source[(source >= NUM_RESERVED) & (source < vocab_size)]
+    chosen = table.always.copy()
     chosen[pieces] = True
     associated = table.by_source[pieces].ravel()
     chosen[associated[associated >= 0]] = True
-    size = min(vocab_size, -(-int(chosen.sum()) // SIZE_STEP) * SIZE_STEP)
-    fill = table.by_frequency[~chosen[table.by_frequency]][:size - int(chosen.sum())]
-    chosen[fill] = True
+    count = int(np.count_nonzero(chosen))
+    size = min(vocab_size, -(-count // SIZE_STEP) * SIZE_STEP)
+    if size > count:  # pad with the most frequent ids not yet in
+        chosen[table.fill_order[~chosen[table.fill_order]][:size - count]] = True
     return np.flatnonzero(chosen).astype(np.int32)

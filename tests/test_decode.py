@@ -169,7 +169,8 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     its batch's selection; the search compiles per width and shortlist size."""
     ensure(config, "encode")
     monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
-    monkeypatch.setattr(shortlist, "select", functools.partial(shortlist.select, frequent=8))
+    monkeypatch.setattr(shortlist, "build", functools.partial(shortlist.build, frequent=8))
+    monkeypatch.setattr(inference, "_SHORTLISTS", {})
     loaded = inference.load_cached(_uri(config, "teacher"))
     translator = inference.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
                                                            shortlist=True),
