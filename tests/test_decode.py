@@ -167,17 +167,26 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
 def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkeypatch):
     """The table comes from the model's own training pairs, once; every hypothesis keeps to
     its batch's selection; the search compiles per width and shortlist size."""
-    ensure(config, "encode")
     monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
     monkeypatch.setattr(shortlist, "build", functools.partial(shortlist.build, frequent=8))
     monkeypatch.setattr(inference, "_SHORTLISTS", {})
     loaded = inference.load_cached(_uri(config, "teacher"))
+    # The prepared pairs, tokenised, stand in for the encode artifact (not built in this
+    # shared workdir: test_distill checks that the student refuses to train without it).
+    read = []
+    pairs = [(np.array(loaded.tokenizer.encode([pair["source"]])[0]),
+              np.array(loaded.tokenizer.encode([pair["target"]])[0]))
+             for pair in corpus.read_split(dag.output_uri(config, "prepare"), "train")]
+    monkeypatch.setattr(inference.input_pipeline, "split_files",
+                        lambda uri, split: read.append(uri) or [uri])
+    monkeypatch.setattr(inference.input_pipeline, "read_pairs", lambda files: iter(pairs))
     translator = inference.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
                                                            shortlist=True),
                                       batch_size=1, boundaries=BUCKETS)
     table = inference.shortlist_table(loaded)
     assert inference.shortlist_table(loaded) is table
     assert table.vocab_size == loaded.tokenizer.vocab_size
+    assert read == [artifacts.read(loaded.uri).manifest["inputs"]["encode"]]
     sentences = _sentences(config, 3, range(2, 9))
     for sentence, translation in zip(sentences, translator.translate(sentences)):
         source = np.array([loaded.tokenizer.encode([sentence])[0] + [EOS_ID]])
