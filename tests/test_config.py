@@ -177,7 +177,7 @@ def test_train_and_student_sections_together_are_an_error(tmp_path):
 def test_the_shipped_configs_load(monkeypatch):
     monkeypatch.setenv("PADIR_DATA_ROOT", "/data")
     demo = config_lib.load("configs/demo.yaml")
-    assert demo.data.max_train_pairs == 3000
+    assert demo.data.max_train_pairs == 10000
     assert config_lib.expand_env(demo.data.train.source) == "/data/multi30k/train.en.gz"
     assert [t.name for t in demo.data.test] == ["test2016"]
     benchmark = config_lib.load("configs/multi30k_en_de.yaml")
