@@ -10,12 +10,14 @@ import dataclasses
 import logging
 import os
 import re
+import types
 
 import pytest
 
 from components import artifacts, dag
 from components import config as config_lib
 from flows.stages import run_stage
+from model import stages
 from tiny_experiment import ensure, tiny_config
 
 
@@ -24,11 +26,12 @@ def config(tiny_workdir):
     return tiny_config(tiny_workdir, "distill.enabled=false")
 
 
-def test_every_stage_runs_in_order_and_publishes(config):
+def test_every_stage_runs_in_order_and_publishes(config, caplog):
     ensure(config, "prepare", "vocab")  # the session's; test_prepare and test_vocab run them
     for stage in ("prepare", "vocab", "encode", "teacher", "student"):
-        artifact = (artifacts.read(dag.output_uri(config, stage)) if stage in ("prepare", "vocab")
-                    else run_stage(stage, config))
+        with caplog.at_level(logging.INFO, logger="model"):
+            artifact = (artifacts.read(dag.output_uri(config, stage))
+                        if stage in ("prepare", "vocab") else run_stage(stage, config))
         assert artifact.uri == dag.output_uri(config, stage)
         assert artifacts.is_complete(artifact.uri)
     teacher = artifacts.read(dag.output_uri(config, "teacher"))
@@ -38,12 +41,27 @@ def test_every_stage_runs_in_order_and_publishes(config):
     for search in ("greedy", "beam4"):  # the published Multi30k figures' metric, beside ours
         assert "bleu_tok_lc" in teacher.manifest["metrics"]["dev_final"][search]
     assert {"bleu", "bleu_tok_lc"} <= set(teacher.manifest["metrics"]["dev"])
+    assert "teacher dev greedy: BLEU" in caplog.text and "(step 3's evaluation)" in caplog.text
+    _check_the_final_greedy_bleu_is_the_decoded_one(config, teacher)
     student = artifacts.read(dag.output_uri(config, "student"))
     assert student.manifest["inputs"]["encode"] == dag.output_uri(config, "encode")
     assert student.manifest["counts"]["steps"] == 2  # phase 2's own step count
     assert {"bleu", "bleu_tok_lc", "loss", "length_accuracy"} <= set(
         student.manifest["metrics"]["dev"])
     assert not [p for p in os.listdir(os.path.dirname(student.uri)) if p.startswith(".")]
+
+
+def _check_the_final_greedy_bleu_is_the_decoded_one(config, teacher):
+    """The published greedy BLEU is the last evaluation's (the best step of a 3-step run):
+    exactly what decoding the published checkpoint again scores."""
+    tokenizer = stages.load_tokenizer(config)
+    never_evaluated = types.SimpleNamespace(state=types.SimpleNamespace(step=-1),
+                                            dev_metrics=None)
+    decoded = stages._final_dev_bleu(
+        stages.teacher_model(config, tokenizer), teacher.path("checkpoints"),
+        config.teacher.loop.best_metric, stages.training_data(config, "teacher", tokenizer),
+        never_evaluated)
+    assert teacher.manifest["metrics"]["dev_final"] == decoded
 
 
 def test_the_student_can_start_from_the_teacher(config, caplog):
