@@ -364,7 +364,26 @@ def _current_stage_name(name: str) -> str:
     return new
 
 
+# JAX's persistent compilation cache, unless the environment configures it: a size bound
+# (least recently used programs go first) keeps it from growing without end.
+COMPILATION_CACHE_MAX_BYTES = 2 << 30
+
+
+def use_compilation_cache(environ: typing.MutableMapping[str, str] = os.environ) -> str:
+    """Keeps compiled XLA programs across processes, in `$XDG_CACHE_HOME/padir/jax` (default
+    ~/.cache/padir/jax) unless JAX_COMPILATION_CACHE_DIR names another directory: a stage
+    run again, a resumed training or another `padir translate` loads its programs instead
+    of compiling them (the demo compiles for about 4 of its 14 minutes). Takes effect only
+    before JAX is imported; JAX_ENABLE_COMPILATION_CACHE=false turns it off. Returns the
+    directory."""
+    cache_home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache_home, "padir", "jax"))
+    environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(COMPILATION_CACHE_MAX_BYTES))
+    return environ["JAX_COMPILATION_CACHE_DIR"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    use_compilation_cache()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logs.configure(logging.DEBUG if args.debug else logging.INFO)

@@ -57,6 +57,11 @@ Batch = dict[str, np.ndarray]
 SHUFFLE_WINDOW = 1 << 17  # records shuffled together: tens of MB for pairs of <= 64 tokens
 _MAX_EPOCHS = 1 << 40  # "forever"
 _PARSE_BATCH = 4096  # records parsed by one op where no shuffle window sets the batch
+# Batches made ahead of the step that takes them, and parses run at once (dev set): fixed,
+# since autotuning is off (`_options`). A batch takes milliseconds, a step a tenth of a
+# second or more.
+_PREFETCH_BATCHES = 2
+_PARALLEL_PARSES = 2
 
 
 def split_files(artifact_uri: str, split: str) -> list[str]:
@@ -109,6 +114,10 @@ def _process_rows(batch: Batch, process_index: int, process_count: int) -> Batch
 def _options() -> tf.data.Options:
     options = tf.data.Options()
     options.deterministic = True  # the default, stated: parallel map keeps the input order
+    # No autotuning: an iterator's destruction waits for the autotuner's thread, which, when
+    # training keeps the cores busy, held the end of a training run for 30-40 s (one time in
+    # three or four on 2 cores).
+    options.autotune.enabled = False
     return options
 
 
@@ -207,7 +216,8 @@ class TrainingStream:
             features = {name: tf.io.FixedLenFeature([], tf.int64)
                         for name in ("source_length", "target_length")}
             lengths = (tf.data.TFRecordDataset(list(self.files)).batch(_PARSE_BATCH)
-                       .map(lambda rows: tf.io.parse_example(rows, features)))
+                       .map(lambda rows: tf.io.parse_example(rows, features))
+                       .with_options(_options()))
             counts = np.zeros(len(self.boundaries) + 1, np.int64)
             for chunk in lengths.as_numpy_iterator():
                 longest = np.maximum(chunk["source_length"], chunk["target_length"])
@@ -247,27 +257,30 @@ class TrainingStream:
         )
         return _bucket_and_batch(examples, self.boundaries, self.batch_sizes)
 
-    def batches(self, start_position: int = 0) -> Iterator[tuple[int, Batch]]:
-        """Yields (position after the batch, {"source": int32[B, L], "target": int32[B, L]})
-        forever, starting at `start_position` (the position saved with a checkpoint).
-
-        B is this process's share of `batch_sizes[i]` and L is `boundaries[i]` for some i.
-        """
+    def dataset(self, start_position: int = 0) -> tf.data.Dataset:
+        """The global batches from `start_position` on, forever (`batches` iterates it)."""
         if start_position < 0:
             raise ValueError(f"start_position must be >= 0, got {start_position}")
         per_epoch = self.batches_per_epoch
         if per_epoch == 0:
             raise ValueError(f"no examples in {list(self.files)}")
         epoch, offset = divmod(start_position, per_epoch)
-        dataset = (
+        return (
             tf.data.Dataset.range(epoch, _MAX_EPOCHS)
             .flat_map(self._epoch)
             .skip(offset)
-            .prefetch(tf.data.AUTOTUNE)
+            .prefetch(_PREFETCH_BATCHES)
             .with_options(_options())
         )
+
+    def batches(self, start_position: int = 0) -> Iterator[tuple[int, Batch]]:
+        """Yields (position after the batch, {"source": int32[B, L], "target": int32[B, L]})
+        forever, starting at `start_position` (the position saved with a checkpoint).
+
+        B is this process's share of `batch_sizes[i]` and L is `boundaries[i]` for some i.
+        """
         position = start_position
-        for batch in dataset.as_numpy_iterator():
+        for batch in self.dataset(start_position).as_numpy_iterator():
             position += 1
             yield position, _process_rows(batch, self.process_index, self.process_count)
 
@@ -301,11 +314,11 @@ def eval_batches(files: Sequence[str], *, boundaries: Sequence[int], batch_sizes
         tf.data.TFRecordDataset(sorted(files))
         .batch(_PARSE_BATCH)
         .map(lambda records: _parse(records, with_id=True, max_len=max(boundaries)),
-             num_parallel_calls=tf.data.AUTOTUNE)
+             num_parallel_calls=_PARALLEL_PARSES)
         .unbatch()
         .map(_as_tensors)
     )
     batches = _bucket_and_batch(examples, boundaries, batch_sizes)
-    for batch in batches.with_options(_options()).prefetch(tf.data.AUTOTUNE).as_numpy_iterator():
+    for batch in batches.with_options(_options()).prefetch(_PREFETCH_BATCHES).as_numpy_iterator():
         ids = [pair_id.decode("utf-8") for pair_id in batch.pop("id")]
         yield ids, _process_rows(batch, process_index, process_count)

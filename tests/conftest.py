@@ -2,7 +2,9 @@
 
 Set here, before any test module imports Prefect (it reads these when it is imported):
 PREFECT_HOME is a fresh temporary directory (profiles, SQLite databases, default result
-storage), no PREFECT_API_URL is inherited, and no Prefect server sends telemetry.
+storage), no PREFECT_API_URL is inherited, and no Prefect server sends telemetry. JAX's
+compilation cache is a fresh temporary directory too (read when JAX is imported), shared
+by this process and the child interpreters of the session, never the user's.
 Tests that run flows request the session-scoped `prefect_harness` (one temporary server
 for the whole session, started only if some selected test needs it).
 """
@@ -20,6 +22,9 @@ atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 os.environ["PREFECT_HOME"] = _PREFECT_HOME
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+_JAX_CACHE = tempfile.mkdtemp(prefix="padir-test-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
 
 
 @pytest.fixture(scope="session")
@@ -40,9 +45,9 @@ def tiny_workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    """A JAX compilation cache shared by the child interpreters of the whole session."""
-    return str(tmp_path_factory.mktemp("jax_cache"))
+def cache_dir():
+    """The JAX compilation cache of the whole session (this process and its children)."""
+    return _JAX_CACHE
 
 
 @pytest.fixture(autouse=True)

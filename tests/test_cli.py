@@ -3,12 +3,16 @@
 import dataclasses
 import io
 import json
+import os
+import subprocess
 import sys
 
 import pytest
 
 from components import config as config_lib
 from flows import cli, stages
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,3 +135,25 @@ def test_stage_train_runs_the_student_stage_with_a_deprecation_line(tmp_path, mo
     assert out == "student: work/student/k\n"
     assert "padir: 'stage train' is now 'stage student'; running stage student ('stage train' " \
            "stops working in a later release)\n" in err
+
+
+def test_padir_keeps_compiled_programs_in_the_users_cache(tmp_path):
+    """Without JAX_COMPILATION_CACHE_DIR, `padir` sets JAX's persistent cache to
+    $XDG_CACHE_HOME/padir/jax before JAX is imported: what a process compiles lands there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.update(XDG_CACHE_HOME=str(tmp_path), JAX_PLATFORMS="cpu",
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    code = ("from flows import cli; cli.use_compilation_cache(); import jax; "
+            "jax.jit(lambda x: x * 2 + 1)(3).block_until_ready()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert os.listdir(tmp_path / "padir" / "jax")
+
+
+def test_an_explicit_compilation_cache_is_kept():
+    environ = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere", "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}
+    assert cli.use_compilation_cache(environ) == "/elsewhere"
+    assert environ == {"JAX_COMPILATION_CACHE_DIR": "/elsewhere",
+                       "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}

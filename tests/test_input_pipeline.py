@@ -132,6 +132,14 @@ def test_resuming_at_a_position_equals_the_uninterrupted_stream(shards):
         assert _same(resumed, uninterrupted[start:start + 4]), start
 
 
+def test_the_stream_runs_without_tf_datas_autotuner(shards):
+    """An iterator's destruction waits for the autotuner's thread; starved by training on the
+    same cores, it held the end of a training run for 30-40 s. Fixed buffers instead."""
+    files, _ = shards
+    options = _stream(files).dataset(5).options()
+    assert options.autotune.enabled is False and options.deterministic is True
+
+
 def test_a_small_shuffle_window_still_sees_every_example_once(shards):
     files, examples = shards
     stream = _stream(files, shuffle_window=5)
