@@ -134,7 +134,7 @@ def test_resuming_at_a_position_equals_the_uninterrupted_stream(shards):
 
 def test_the_stream_runs_without_tf_datas_autotuner(shards):
     """An iterator's destruction waits for the autotuner's thread; starved by training on the
-    same cores, it held the end of a training run for 30-40 s. Fixed buffers instead."""
+    same cores, it held the end of a training run for 20-48 s. Fixed buffers instead."""
     files, _ = shards
     options = _stream(files).dataset(5).options()
     assert options.autotune.enabled is False and options.deterministic is True
