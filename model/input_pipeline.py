@@ -115,8 +115,8 @@ def _options() -> tf.data.Options:
     options = tf.data.Options()
     options.deterministic = True  # the default, stated: parallel map keeps the input order
     # No autotuning: an iterator's destruction waits for the autotuner's thread, which, when
-    # training keeps the cores busy, held the end of a training run for 30-40 s (one time in
-    # three or four on 2 cores).
+    # training keeps the cores busy, held the end of a training run for 20-48 s (5 of 8
+    # timed runs of the demo's student, on 2 cores).
     options.autotune.enabled = False
     return options
 
