@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
@@ -26,6 +27,41 @@ def test_cross_entropy_matches_log_softmax_and_is_zero_at_the_smoothed_target():
     soft = jax.nn.one_hot(TARGETS, VOCAB) * (0.9 - 0.1 / 11) + 0.1 / 11
     total, _ = losses.cross_entropy(jnp.log(soft), TARGETS, TARGETS != PAD_ID, 0.1)
     np.testing.assert_allclose(total, 0.0, atol=1e-4)
+
+
+def _reference_cross_entropy(logits, targets, weights, label_smoothing):
+    """The textbook form: the smoothed one-hot against the log-softmax, by autodiff."""
+    vocab = logits.shape[-1]
+    low = label_smoothing / (vocab - 1)
+    soft = jax.nn.one_hot(targets, vocab) * (1 - label_smoothing - low) + low
+    entropy = -jnp.sum(jnp.where(soft > 0, soft * jnp.log(soft), 0.0), axis=-1)
+    loss = -jnp.sum(soft * jax.nn.log_softmax(logits), axis=-1) - entropy
+    return jnp.sum(loss * weights)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_and_its_gradient_match_the_textbook_form(label_smoothing):
+    logits = 3 * jax.random.normal(jax.random.key(2), TARGETS.shape + (VOCAB,))
+    weights = (TARGETS != PAD_ID) * jnp.array([1.0, 0.5, 2.0, 1.0, 0.0])
+    ours = jax.value_and_grad(
+        lambda x: losses.cross_entropy(x, TARGETS, weights, label_smoothing)[0])
+    textbook = jax.value_and_grad(
+        lambda x: _reference_cross_entropy(x, TARGETS, weights, label_smoothing))
+    (value, grad), (expected_value, expected_grad) = jax.jit(ours)(logits), textbook(logits)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    np.testing.assert_allclose(grad, expected_grad, atol=1e-6)
+
+
+def test_correct_tokens_is_the_argmax_count_and_counts_ties_as_correct():
+    logits = jax.random.normal(jax.random.key(3), TARGETS.shape + (VOCAB,))
+    logits = logits.at[0, 0, 7].set(5.0).at[0, 1, 8].set(5.0)  # two right, the rest random
+    weights = TARGETS != PAD_ID
+    expected = jnp.sum((losses.argmax_ids(logits) == TARGETS) * weights)
+    assert losses.correct_tokens(logits, TARGETS, weights) == expected >= 2
+    # A control id above the target is not a competitor (it can never be emitted); a tie
+    # with a lower target id counts as correct.
+    tied = logits.at[0, 2, MASK_ID].set(9.0).at[0, 2, 9].set(6.0).at[0, 2, 6].set(6.0)
+    assert losses.correct_tokens(tied, TARGETS, weights) == expected + 1
 
 
 def test_next_stage_input_zeroes_pads_and_remasks_stutter():

@@ -16,7 +16,9 @@ from model.transformer import (
     PaDIRTransformer,
     argmax_ids,
     argmax_last,
+    best_target_logit,
     mask_non_target_ids,
+    project_on_table,
     shift_right,
 )
 
@@ -73,6 +75,28 @@ def test_argmax_last_is_jnp_argmax_ties_included():
     x[0, 0] = -1e9  # all equal, as masked logits
     np.testing.assert_array_equal(jax.jit(argmax_last)(x), np.argmax(x, axis=-1))
     assert argmax_last(x).dtype == jnp.int32
+
+
+def test_best_target_logit_is_the_max_of_the_masked_logits():
+    x = np.random.default_rng(0).normal(size=(3, 4, VOCAB)).astype(np.float32)
+    x[0, :, [PAD_ID, BOS_ID, MASK_ID, LENGTH_ID]] = 9.0  # control ids hold the largest logit
+    x[1, :, EOS_ID] = 8.0  # a target id below the control ids holds it
+    np.testing.assert_array_equal(jax.jit(best_target_logit)(x),
+                                  jnp.max(mask_non_target_ids(x), axis=-1))
+
+
+def test_project_on_table_has_the_gradient_of_a_plain_matmul():
+    y = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    table = jax.random.normal(jax.random.key(1), (VOCAB, 8))
+    cotangent = jax.random.normal(jax.random.key(2), (2, 3, VOCAB))
+
+    def pulled_back(project):
+        return jax.vjp(project, y, table)[1](cotangent)
+
+    ours, plain = pulled_back(project_on_table), pulled_back(lambda a, b: a @ b.T)
+    np.testing.assert_allclose(project_on_table(y, table), y @ table.T, rtol=1e-6)
+    for got, expected in zip(ours, plain):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_padir_output_shapes_and_length_classifier(padir):
