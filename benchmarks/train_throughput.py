@@ -21,12 +21,21 @@ config's: its teacher and student shapes, `vocab.size`, and `loop.tokens_per_bat
 tokens per step at `--length` (the recipe study, benchmarks/recipe.py, sizes its runs so).
 The ceiling is then also measured at the model's own matmul shapes (a batch's rows times the
 attention/MLP/output-projection weights), the ceiling the step can reach in principle.
+
+With `--ops`, a profiler trace of a few more steps says where the step's time goes, by XLA
+operation: matrix products, elementwise work on [..., V] arrays (the logits, the loss and
+their gradients) and everything else, each with its largest operations.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
 import json
+import re
+import tempfile
 import time
 
 import jax
@@ -106,6 +115,52 @@ def synthetic_batch(rng: np.random.Generator, vocab: int, batch: int, src: int, 
     return {"source": source, "target": target}
 
 
+def _hlo_operations(hlo: str) -> dict[str, tuple[str, bool]]:
+    """Compiled HLO text -> {instruction name: (output shape, whether it is a matmul)}; a
+    fusion is a matmul when the computation it calls holds a dot."""
+    computations = {}
+    for match in re.finditer(r"^%([\w.\-]+) .*?\{\n(.*?)^\}", hlo, re.M | re.S):
+        computations[match.group(1)] = match.group(2)
+    operations = {}
+    for match in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+?\[[^\]]*\])(.*)$", hlo, re.M):
+        name, shape, rest = match.groups()
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        body = computations.get(called.group(1), "") if called else ""
+        is_matmul = bool(re.match(r"\S*\s+dot\(", rest) or " dot(" in body)
+        operations.setdefault(name, (shape, is_matmul))
+    return operations
+
+
+def operation_breakdown(step, state, batch, vocab: int, steps: int = 3) -> tuple[list, dict]:
+    """Milliseconds per step by kind of XLA operation, from a profiler trace of `steps` calls
+    of `step` (jitted; donates `state`). Kinds: matmul or elementwise, on [..., vocab] arrays
+    or others. Returns (rows of (kind, ms per step), {kind: its 3 largest (ms, op, shape)}).
+    The cores run some operations side by side: the kinds add up to more than the wall time."""
+    operations = _hlo_operations(step.lower(state, batch).compile().as_text())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        for _ in range(steps):
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        jax.profiler.stop_trace()
+        (trace_file,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+        with gzip.open(trace_file) as f:
+            events = json.load(f)["traceEvents"]
+    by_op = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event["name"] in operations:
+            by_op[event["name"]] += event["dur"] / 1000 / steps
+    totals, largest = collections.Counter(), collections.defaultdict(list)
+    for name, ms in by_op.most_common():
+        shape, is_matmul = operations[name]
+        over_vocab = re.search(rf"[\[,]{vocab}[\],]", shape) is not None
+        kind = ("matmul" if is_matmul else "elementwise") + (" on [..., V]" if over_vocab else "")
+        totals[kind] += ms
+        if len(largest[kind]) < 3:
+            largest[kind].append((round(ms, 1), name, shape))
+    return [(kind, round(ms, 1)) for kind, ms in totals.most_common()], dict(largest)
+
+
 def measure(name, model, num_stages, args, rng) -> dict:
     cfg = model.config
     padir = isinstance(model, PaDIRModel)
@@ -132,6 +187,11 @@ def measure(name, model, num_stages, args, rng) -> dict:
         state, metrics = steps.train(state, batch)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - start)
+    if args.ops:
+        kinds, largest = operation_breakdown(steps.train, state, batch, args.vocab)
+        print(f"{name}: ms per step by kind of operation: {kinds}")
+        for kind, ops in largest.items():
+            print(f"  largest {kind}: {ops}")
     ceiling = matmul_flops_per_s()
     own_ceiling = model_shapes_flops_per_s(args.batch * args.length, cfg, args.vocab)
     seconds = min(times)  # least disturbed by other processes, like the ceiling's best-of
@@ -162,6 +222,8 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--config", help="measure this config's models at its batch size")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--ops", action="store_true",
+                        help="also trace steps and print their time by kind of operation")
     parser.add_argument("--models", default="teacher,phase1,phase2",
                         help="comma-separated subset of teacher,phase1,phase2")
     args = parser.parse_args(argv)
