@@ -57,10 +57,15 @@ def shift_right(targets: jax.Array, start_id: int = BOS_ID) -> jax.Array:
     return jnp.concatenate([start, targets[:, :-1]], axis=1)
 
 
+def _non_target(vocab_size: int) -> jax.Array:
+    """bool[V]: True at `NON_TARGET_IDS`."""
+    return jnp.zeros(vocab_size, bool).at[jnp.array(NON_TARGET_IDS)].set(True)
+
+
 def mask_non_target_ids(logits: jax.Array) -> jax.Array:
     """Sets the logits of `NON_TARGET_IDS` to a large negative value. [..., V] -> [..., V]."""
-    banned = jnp.zeros(logits.shape[-1], bool).at[jnp.array(NON_TARGET_IDS)].set(True)
-    return jnp.where(banned, jnp.asarray(LOGIT_MASK_VALUE, logits.dtype), logits)
+    masked = jnp.asarray(LOGIT_MASK_VALUE, logits.dtype)
+    return jnp.where(_non_target(logits.shape[-1]), masked, logits)
 
 
 def argmax_last(x: jax.Array) -> jax.Array:
@@ -84,8 +89,8 @@ def best_target_logit(logits: jax.Array) -> jax.Array:
 
     The same value as the max of `mask_non_target_ids(logits)`, as one reduction of the
     logits plus a [V] penalty row, which XLA fuses: no masked [..., V] copy is written."""
-    banned = jnp.zeros(logits.shape[-1], bool).at[jnp.array(NON_TARGET_IDS)].set(True)
-    penalty = jnp.where(banned, jnp.asarray(LOGIT_MASK_VALUE, logits.dtype), 0)
+    penalty = jnp.where(_non_target(logits.shape[-1]),
+                        jnp.asarray(LOGIT_MASK_VALUE, logits.dtype), 0)
     return jnp.max(logits + penalty, axis=-1)
 
 
