@@ -245,6 +245,10 @@ class ModelConfig:
     positional_attention: bool = True  # PaDIR decoder only
     dtype: Literal["float32", "bfloat16"] = "float32"
 
+    def __post_init__(self):
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ConfigError("model.dropout_rate: expected a value in [0, 1)")
+
 
 # --- training (teacher and student share one engine: model/train.py) --------------------
 

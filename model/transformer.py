@@ -124,6 +124,31 @@ def _position_table(module: nn.Module, rows: int, d_model: int) -> jax.Array:
     )
 
 
+class Dropout(nn.Module):
+    """Dropout drawing one random byte per element where Flax's draws a 32-bit word.
+
+    Generating the random bits (threefry, a rolled loop on CPU) was a fifth of a training
+    step on 2 cores; a quarter of the words makes the teacher's and the student's steps
+    1.13-1.14x faster (README "Training throughput"). The price: the rate is rounded to a
+    multiple of 1/256 (0.1 drops 26/256 = 10.2%), and rates under 1/512 drop nothing.
+    """
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        threshold = round(self.rate * 256)  # drop where the byte is below it
+        if deterministic or threshold == 0:
+            return x
+        *leading, width = x.shape
+        words = -(-width // 4)
+        bits = jax.random.bits(self.make_rng("dropout"), (*leading, words), jnp.uint32)
+        random_bytes = jax.lax.bitcast_convert_type(bits, jnp.uint8)  # [..., words, 4]
+        random_bytes = random_bytes.reshape(*leading, 4 * words)[..., :width]
+        scale = 256 / (256 - threshold)  # 1 / keep probability
+        return jnp.where(random_bytes >= threshold, x * scale, 0).astype(x.dtype)
+
+
 class MlpBlock(nn.Module):
     """Position-wise feed-forward block: Dense(mlp) -> GELU -> dropout -> Dense(embed)."""
 
@@ -137,7 +162,7 @@ class MlpBlock(nn.Module):
             kernel_init=_named(_default_kernel_init, ("embed", "mlp")),
         )(x)  # [B, L, mlp]
         h = nn.gelu(h)
-        h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        h = Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         return nn.Dense(
             cfg.d_model, use_bias=False, dtype=cfg.dtype, name="wo",
             kernel_init=_named(_default_kernel_init, ("mlp", "embed")),
@@ -152,7 +177,7 @@ class EncoderLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool) -> jax.Array:
         """x: [B, S, D]; mask: bool[B, 1, S, S]. Returns [B, S, D]."""
-        dropout = nn.Dropout(self.config.dropout_rate)
+        dropout = Dropout(self.config.dropout_rate)
         h = _rms_norm(self.config, "pre_self_attention_norm")(x)
         h = _attention(self.config, "self_attention")(h, h, mask=mask)
         x = x + dropout(h, deterministic=deterministic)
@@ -179,7 +204,7 @@ class Encoder(nn.Module):
         valid = tokens != PAD_ID  # [B, S]
         positions = _position_table(self, self.num_positions, cfg.d_model)[:length]
         x = self.shared_embedding(tokens) + positions.astype(cfg.dtype)  # [B, S, D]
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         mask = nn.make_attention_mask(valid, valid)  # [B, 1, S, S]
         for i in range(cfg.num_encoder_layers):
             x = EncoderLayer(cfg, name=f"layer_{i}")(x, mask, deterministic)
@@ -213,7 +238,7 @@ class DecoderLayer(nn.Module):
         decoding masks itself); cross_mask: bool[B, 1, T, S]; positions: [B, T, D] (used
         only with positional attention). Returns [B, T, D]."""
         cfg = self.config
-        dropout = nn.Dropout(cfg.dropout_rate)
+        dropout = Dropout(cfg.dropout_rate)
         h = _rms_norm(cfg, "pre_self_attention_norm")(x)
         h = _attention(cfg, "self_attention", decode=self.decode)(h, h, mask=self_mask)
         x = x + dropout(h, deterministic=deterministic)
@@ -304,7 +329,7 @@ class NARDecoder(nn.Module):
         table = _position_table(self, cfg.max_target_len, cfg.d_model)[:length]
         positions = jnp.broadcast_to(table.astype(cfg.dtype), (batch, length, cfg.d_model))
         x = self.shared_embedding(hypothesis) + positions  # [B, T, D]
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         self_mask = nn.make_attention_mask(valid, valid)  # [B, 1, T, T]
         cross_mask = nn.make_attention_mask(valid, memory_mask)  # [B, 1, T, S]
         for i in range(cfg.num_decoder_layers):
@@ -364,7 +389,7 @@ class ARDecoder(nn.Module):
             )  # [B, 1, T, T]
             cross_mask = nn.make_attention_mask(target_mask, memory_mask)  # [B, 1, T, S]
         x = self.shared_embedding(inputs) + positions.astype(cfg.dtype)  # [B, T, D]
-        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             x = DecoderLayer(cfg, decode=decode, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, None, deterministic

@@ -236,6 +236,12 @@ def test_invalid_prepare_section(tmp_path):
         _load(tmp_path, overrides=["prepare.num_shards=0"])
 
 
+@pytest.mark.parametrize("rate", ["1.0", "-0.1"])
+def test_dropout_rate_outside_0_1_is_rejected(tmp_path, rate):
+    with pytest.raises(ConfigError, match="model.dropout_rate"):
+        _load(tmp_path, overrides=[f"teacher.model.dropout_rate={rate}"])
+
+
 def test_section_hash_is_stable_and_changes_only_for_the_changed_section(tmp_path):
     config = _load(tmp_path)
     again = _load(tmp_path)

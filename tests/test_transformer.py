@@ -13,6 +13,7 @@ from components.config import ModelConfig
 from components.tokenizer import BOS_ID, EOS_ID, LENGTH_ID, MASK_ID, PAD_ID
 from model.transformer import (
     ARTransformer,
+    Dropout,
     PaDIRTransformer,
     argmax_ids,
     argmax_last,
@@ -178,6 +179,25 @@ def test_dropout_only_when_not_deterministic(padir):
     np.testing.assert_array_equal(run(0, True), run(1, True))
     np.testing.assert_array_equal(run(0, False), run(0, False))
     assert not np.allclose(run(0, False), run(1, False))
+
+
+@pytest.mark.parametrize("width", [256, 130])  # a width that is no multiple of 4, too
+def test_byte_dropout_drops_the_rounded_rate_and_rescales_the_rest(width):
+    x = jnp.ones((64, 32, width))
+    dropout = Dropout(0.1)
+    y = np.asarray(dropout.apply({}, x, False, rngs={"dropout": jax.random.key(0)}))
+    kept = y != 0
+    np.testing.assert_array_equal(y[kept], np.float32(256 / 230))  # rate 0.1 -> 26/256
+    assert abs(1 - kept.mean() - 26 / 256) < 0.005  # 524,288 (or 266,240) draws
+    # Each of a word's four bytes decides its own element: no pattern along the width.
+    for lane in range(4):
+        assert abs(1 - kept[..., lane::4].mean() - 26 / 256) < 0.01
+    again = dropout.apply({}, x, False, rngs={"dropout": jax.random.key(0)})
+    np.testing.assert_array_equal(y, again)
+    other = dropout.apply({}, x, False, rngs={"dropout": jax.random.key(1)})
+    assert not np.array_equal(y, other)
+    np.testing.assert_array_equal(dropout.apply({}, x, True), x)
+    np.testing.assert_array_equal(Dropout(0.001).apply({}, x, False), x)
 
 
 def test_ar_decoder_is_causal(ar):
