@@ -18,7 +18,7 @@ what training pads it to, in the encode stage's figures) and a decoded batch's s
 (`decoder_shape`: model/inference.py pads to it, pipelines/batching.py groups by it).
 
 The element logic here is plain Python (the Beam job wraps it; tests call it directly).
-TensorFlow is imported on first use only: the writer needs its protos, not its runtime.
+TensorFlow is imported on first use only: the writer needs its protos and record writer.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ REASONS = (TOO_MANY_TOKENS,)
 
 
 def shard_prefix(artifact_uri: str, split: str) -> str:
-    """The path prefix the Beam writer completes with `-SSSSS-of-NNNNN.tfrecord`."""
+    """The path prefix the shard writer completes with `-SSSSS-of-NNNNN.tfrecord`."""
     return artifacts.join(artifact_uri, split)
 
 
@@ -106,6 +106,15 @@ def serialize_example(pair_id: str, source: Sequence[int], target: Sequence[int]
         "target_length": ints([len(target)]),
     }))
     return example.SerializeToString(deterministic=True)  # map order fixed: byte-identical shards
+
+
+def write_shard(path: str, serialized: Sequence[bytes]) -> None:
+    """A TFRecord shard of serialized Examples (local or gs://)."""
+    import tensorflow as tf
+
+    with tf.io.TFRecordWriter(path) as writer:
+        for example in serialized:
+            writer.write(example)
 
 
 def summarize_lengths(histogram: Mapping[int, int]) -> dict:

@@ -57,7 +57,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, R
 from components import artifacts, corpus, dag, distillation
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
-from pipelines import batching, job
+from pipelines import batching, job, shards
 from pipelines import options as options_lib
 from pipelines.inference import TranslationModelHandler
 
@@ -166,10 +166,10 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
     kept, rejected = verdicts | "SeparateRejects" >> beam.Partition(_is_rejected, 2)
     _ = (
         kept
-        | "KeptRecords" >> beam.Map(lambda verdict: _to_json(verdict.kept_record()))
-        | "WriteTrain" >> beam.io.WriteToText(
-            artifacts.join(output_uri, corpus.TRAIN), file_name_suffix=".jsonl",
-            num_shards=num_shards, shard_name_template=_SHARDS)
+        | "KeptRecords" >> beam.Map(lambda verdict: (verdict.id,
+                                                     _to_json(verdict.kept_record())))
+        | "WriteTrain" >> shards.WriteShards(artifacts.join(output_uri, corpus.TRAIN),
+                                             ".jsonl", num_shards, shards.write_lines)
     )
     _ = (
         rejected

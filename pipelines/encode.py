@@ -55,7 +55,7 @@ from apache_beam.metrics.metric import Metrics
 from components import artifacts, corpus, dag, records
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
-from pipelines import job
+from pipelines import job, shards
 from pipelines import options as options_lib
 
 NAMESPACE = "encode"  # of the Beam counters that become the manifest's counts
@@ -165,11 +165,11 @@ class EncodeSplit(beam.PTransform):
         )
         _ = (
             outputs.encoded
-            | "Serialize" >> beam.Map(
-                lambda pair: records.serialize_example(pair["id"], pair["source"], pair["target"]))
-            | "WriteRecords" >> beam.io.WriteToTFRecord(
-                records.shard_prefix(self.output_uri, self.split),
-                file_name_suffix=records.SUFFIX, num_shards=self.config.num_shards)
+            | "Serialize" >> beam.Map(lambda pair: (pair["id"], records.serialize_example(
+                pair["id"], pair["source"], pair["target"])))
+            | "WriteRecords" >> shards.WriteShards(
+                records.shard_prefix(self.output_uri, self.split), records.SUFFIX,
+                self.config.num_shards, records.write_shard)
         )
         _ = (
             outputs[REJECTS]

@@ -43,7 +43,7 @@ from apache_beam.metrics.metric import Metrics
 
 from components import artifacts, corpus, dag
 from components import config as config_lib
-from pipelines import job, options
+from pipelines import job, options, shards
 
 NAMESPACE = "prepare"  # of the Beam counters that become the manifest's counts
 
@@ -106,7 +106,8 @@ class DropDuplicates(beam.PTransform):
 
 
 class WriteJsonl(beam.PTransform):
-    """Records with `to_json()` -> `<prefix>-SSSSS-of-NNNNN.jsonl`, optionally counted."""
+    """Records with `id` and `to_json()` -> `<prefix>-SSSSS-of-NNNNN.jsonl`, optionally
+    counted; the same files on every run (`shards.WriteShards`)."""
 
     def __init__(self, prefix: str, num_shards: int, counter_name: Optional[str] = None):
         super().__init__()
@@ -119,10 +120,9 @@ class WriteJsonl(beam.PTransform):
             records = records | "Count" >> beam.Map(job.counted, NAMESPACE, self._counter_name)
         return (
             records
-            | "ToJson" >> beam.Map(lambda record: record.to_json())
-            | "Write" >> beam.io.WriteToText(
-                self._prefix, file_name_suffix=".jsonl", num_shards=self._num_shards,
-                shard_name_template="-SSSSS-of-NNNNN")
+            | "ToJson" >> beam.Map(lambda record: (record.id, record.to_json()))
+            | "Write" >> shards.WriteShards(self._prefix, ".jsonl", self._num_shards,
+                                            shards.write_lines)
         )
 
 
