@@ -13,7 +13,7 @@ and one AR greedy step part by part (`pass_profile`, `ar_step_profile`): the net
 into attention, MLP and the output projection), the reading of the logits, acceptance and
 loop bookkeeping, on the sentence of the median output width.
 
-Measurement: model/inference.py's Translator (jitted, static shapes; every shape is run
+Measurement: model/translator.py's Translator (jitted, static shapes; every shape is run
 once untimed before it is timed; the time is the jitted call until block_until_ready). The
 batch-1 pass is interleaved: sentence by sentence, every method decodes it in turn (the
 order rotating per sentence), so that a change in the machine's load affects all methods
@@ -55,7 +55,7 @@ from components import artifacts, corpus, dag, report  # noqa: E402
 from components import config as config_lib  # noqa: E402
 from components import records as records_lib  # noqa: E402
 from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID  # noqa: E402
-from model import decoding, inference, transformer  # noqa: E402
+from model import refinement, translator, transformer  # noqa: E402
 from model.models import PaDIRModel, masked_hypothesis  # noqa: E402
 from pipelines import decode  # noqa: E402
 
@@ -116,7 +116,7 @@ def print_table(entry: dict, focus: str) -> None:
 
 
 def print_breakdown(translations: dict[str, list]) -> None:
-    """Where a sentence's time goes at batch 1: medians over the sentences (model/inference.py
+    """Where a sentence's time goes at batch 1: medians over the sentences (model/translator.py
     `Translation`); host = total - encode - search."""
     header = f"{'method':18} {'total ms':>9} {'encode':>8} {'search':>8} {'host':>8} " \
              f"{'passes':>7} {'ms/pass':>8} {'width':>6}"
@@ -297,17 +297,17 @@ def _network_split(model: PaDIRModel, params: Any, encoded: jax.Array, memory_ma
     return calls
 
 
-def pass_profile(model: decoding.NARModel, params: Any, source: Any, *, max_len: int,
+def pass_profile(model: refinement.NARModel, params: Any, source: Any, *, max_len: int,
                  num_length_candidates: int = 1, length_offsets: Sequence[int] = (0,),
                  repeats: int = 30) -> Profile:
     """One PaDIR refinement pass over a batch's candidates, part by part.
 
     The batch (`source` int32[B, S]) is encoded and its candidates picked as
-    `decoding.predict_candidates` does; the width is `decoding.output_width` of them. Then,
+    `refinement.predict_candidates` does; the width is `refinement.output_width` of them. Then,
     each as its own jitted call on the first pass's inputs (the all-[MASK] hypothesis):
     the network (`model.pass_logits` on `model.decoder_memory`), the reading of its logits
-    (`decoding.read_logits`), the acceptance (`decoding.accept_predictions`), the loop
-    (`decoding.refine_loop` for one pass on the given logits), and `decoding.refine` at one
+    (`refinement.read_logits`), the acceptance (`refinement.accept_predictions`), the loop
+    (`refinement.refine_loop` for one pass on the given logits), and `refinement.refine` at one
     pass, the whole. What the loop has beyond reading and acceptance is the state update and
     the while loop; what `refine` has beyond network and loop is its set-up (candidate rows,
     initial hypothesis) and the choice of a candidate. For a `PaDIRModel`, the network is
@@ -320,11 +320,11 @@ def pass_profile(model: decoding.NARModel, params: Any, source: Any, *, max_len:
     a later pass inside the loop. The initial hypothesis is [MASK] whatever the method's
     `init`. Each time is a median of `repeats` calls less an empty call's (see `Part`).
     """
-    candidates = decoding.predict_candidates(
+    candidates = refinement.predict_candidates(
         model, params, jnp.asarray(source, jnp.int32),
         num_length_candidates=num_length_candidates, length_offsets=tuple(length_offsets),
         max_len=max_len)
-    width = decoding.output_width(candidates.lengths, max_len)
+    width = refinement.output_width(candidates.lengths, max_len)
     per_sentence = candidates.lengths.shape[1]
     lengths = candidates.lengths.reshape(-1)  # [N]
     encoded, memory_mask = jax.tree.map(lambda x: jnp.repeat(x, per_sentence, axis=0),
@@ -334,20 +334,20 @@ def pass_profile(model: decoding.NARModel, params: Any, source: Any, *, max_len:
     memory = model.decoder_memory(params, encoded, memory_mask, valid)
     network = jax.jit(model.pass_logits)
     logits = network(params, memory, initial)
-    read = jax.jit(decoding.read_logits)
+    read = jax.jit(refinement.read_logits)
     reading = read(logits)
 
     def loop(logits, initial, lengths):
-        return decoding.refine_loop(lambda hypothesis: logits, initial, lengths, 1)
+        return refinement.refine_loop(lambda hypothesis: logits, initial, lengths, 1)
 
     def refine(passes):
-        return jax.jit(lambda p, c: decoding.refine(model, p, c, width=width,
+        return jax.jit(lambda p, c: refinement.refine(model, p, c, width=width,
                                                     max_iterations=passes))
 
     calls = {
         "network": (network, (params, memory, initial)),
         "read": (read, (logits,)),
-        "accept": (jax.jit(decoding.accept_predictions), (reading.prediction, initial, content)),
+        "accept": (jax.jit(refinement.accept_predictions), (reading.prediction, initial, content)),
         "loop": (jax.jit(loop), (logits, initial, lengths)),
         "refine1": (refine(1), (params, candidates)),
         "refine2": (refine(2), (params, candidates)),
@@ -494,7 +494,7 @@ def profile_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def _source_batch(loaded: inference.LoadedModel, text: str, boundaries: Sequence[int]
+def _source_batch(loaded: translator.LoadedModel, text: str, boundaries: Sequence[int]
                   ) -> tuple[np.ndarray, int]:
     """One sentence as `Translator` feeds it: (source int32[1, S], output cap)."""
     widest = boundaries[-1]
@@ -563,10 +563,10 @@ def main(argv=None) -> int:
         if not artifacts.is_complete(uri):
             print(f"skipping {name}: no complete {method.stage} artifact at {uri}")
             continue
-        loaded = inference.load_cached(uri)
+        loaded = translator.load_cached(uri)
         common = dict(boundaries=config.encode.bucket_boundaries, seed=config.seed)
-        latency[name] = inference.Translator(loaded, method, batch_size=1, **common)
-        batched[name] = inference.Translator(loaded, method, batch_size=batch_size, **common)
+        latency[name] = translator.Translator(loaded, method, batch_size=1, **common)
+        batched[name] = translator.Translator(loaded, method, batch_size=batch_size, **common)
     if not latency:
         raise SystemExit("nothing to measure")
     names = list(latency)

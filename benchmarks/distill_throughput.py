@@ -5,7 +5,7 @@ their sources with its teacher artifact, as the `distill` stage does (the config
 `distill` section: beam size, length penalty, batch size), three ways, each in a fresh
 process of its own (each restores the teacher and compiles its decoder once):
 
-  plain    a Python loop: `model.inference.Translator` over the batches the job forms
+  plain    a Python loop: `model.translator.Translator` over the batches the job forms
            (`pipelines.batching.KeyByDecoderShape` and `length_batches`: one decoder shape
            per batch, sources sorted by length), shape after shape;
   beam_1   `pipelines.distill.build` on the FnApiRunner, in process (one worker);
@@ -69,7 +69,7 @@ def write_inputs(config: config_lib.Config, folder: str, max_sentences: int) -> 
 def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
     """The plain loop over the job's batches; JAX starts inside the timed span."""
     started = time.perf_counter()
-    from model import inference
+    from model import translator
     from pipelines import batching, distill
 
     teacher = artifacts.read(teacher_uri)
@@ -81,8 +81,8 @@ def run_plain(config: config_lib.Config, teacher_uri: str, folder: str) -> dict:
     for pair in pairs:
         for shape, member in key.process(pair):
             groups[shape].append(member)
-    translator = inference.Translator(
-        inference.load(teacher_uri), distill.method(config.distill),
+    translator = translator.Translator(
+        translator.load(teacher_uri), distill.method(config.distill),
         batch_size=config.distill.batch_size, boundaries=boundaries)
     decode_seconds, batches = 0.0, 0
     for shape in sorted(groups):

@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from components import config as config_lib  # noqa: E402
 from components import corpus, dag, metrics, records  # noqa: E402
 from components.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from model import decoding, inference  # noqa: E402
+from model import refinement, translator  # noqa: E402
 from pipelines import decode  # noqa: E402
 
 BATCH_SIZE = 64
 
 
-def refine_at(loaded: inference.LoadedModel, sources: Sequence[str], *, iterations: int,
+def refine_at(loaded: translator.LoadedModel, sources: Sequence[str], *, iterations: int,
               boundaries: Sequence[int], lengths: Optional[Sequence[int]] = None,
               num_length_candidates: int = 1) -> tuple[list[list[int]], list[int]]:
     """PaDIR refinement of `sources` in batches of `BATCH_SIZE` (sorted by length, in the
@@ -60,15 +60,15 @@ def refine_at(loaded: inference.LoadedModel, sources: Sequence[str], *, iteratio
         source = np.full((BATCH_SIZE, source_width), PAD_ID, np.int32)
         for row, i in enumerate(batch):
             source[row, :len(rows[i])] = rows[i]
-        candidates = decoding.predict_candidates(
+        candidates = refinement.predict_candidates(
             model, params, source, num_length_candidates=num_length_candidates,
             length_offsets=(0,), max_len=max_len)
         head = np.asarray(candidates.lengths)[:, 0]
         if lengths is not None:
-            chosen = [[min(max_len, max(decoding.MIN_LENGTH, lengths[i]))] for i in batch]
+            chosen = [[min(max_len, max(refinement.MIN_LENGTH, lengths[i]))] for i in batch]
             candidates = candidates.replace(lengths=jnp.asarray(chosen, jnp.int32))
-        width = decoding.output_width(candidates.lengths, max_len)
-        out = np.asarray(decoding.refine(model, params, candidates, width=width,
+        width = refinement.output_width(candidates.lengths, max_len)
+        out = np.asarray(refinement.refine(model, params, candidates, width=width,
                                          max_iterations=iterations).tokens)
         for row, i in enumerate(batch):
             ids = out[row].tolist()
@@ -103,7 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decoded = decode.output_path(dag.require_input(config, "decode").uri, decode.HYPOTHESES,
                                  test_set, args.teacher_method)
     teacher = {line["id"]: line for line in corpus.read_jsonl(decoded)}
-    loaded = inference.load(dag.require_input(config, "student").uri)
+    loaded = translator.load(dag.require_input(config, "student").uri)
     sources = [pair["source"] for pair in pairs]
     references = [pair["target"] for pair in pairs]
     oracles = {

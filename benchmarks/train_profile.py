@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import train_throughput  # noqa: E402
 from components import config as config_lib  # noqa: E402
-from model import decoding, sharding, stages, train  # noqa: E402
+from model import refinement, sharding, train
+from pipelines import training  # noqa: E402
 
 
 def _median_seconds(fn, calls: int) -> float:
@@ -81,16 +82,16 @@ def padding_table(batches: list[dict]) -> list[dict]:
 def profile(config: config_lib.Config, which: str, args: argparse.Namespace) -> None:
     stage = "teacher" if which == "teacher" else "student"
     section = config.section(stage)
-    tokenizer = stages.load_tokenizer(config)
-    data = stages.training_data(config, stage, tokenizer)
+    tokenizer = training.load_tokenizer(config)
+    data = training.training_data(config, stage, tokenizer)
     if stage == "teacher":
-        model, loss_options = stages.teacher_model(config, tokenizer), {}
+        model, loss_options = training.teacher_model(config, tokenizer), {}
         predict, num_steps = None, section.steps
     else:
-        model = stages.student_model(config, tokenizer)
+        model = training.student_model(config, tokenizer)
         stages_unrolled = 1 if which == "phase1" else section.num_stages
         loss_options = dict(num_stages=stages_unrolled, remask_stutter=section.remask_stutter)
-        predict = functools.partial(decoding.predict_refined, model,
+        predict = functools.partial(refinement.predict_refined, model,
                                     max_iterations=train.STUDENT_DEV_ITERATIONS)
         num_steps = section.phase1_steps if which == "phase1" else section.phase2_steps
     optimizer = section.optimizer

@@ -28,7 +28,7 @@ import unicodedata
 import zipfile
 
 import apache_beam as beam
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_runner.options.pipeline_options import PipelineOptions
 import sentencepiece as spm
 
 from components import config as config_lib
@@ -65,7 +65,7 @@ def timed(fn, *args, **kwargs):
 
 
 def count_words(config: config_lib.Config, jsonl: str, tsv: str) -> None:
-    pipeline = beam.Pipeline(options=PipelineOptions([f"--runner={config.beam.runner}"]))
+    pipeline = beam.Pipeline(options=PipelineOptions([f"--runner={config.runner.name}"]))
     vocab.build(pipeline, config, jsonl, tsv)
     pipeline.run().wait_until_finish()
 

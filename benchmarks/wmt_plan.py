@@ -8,7 +8,7 @@ Prints three markdown tables for the README, each followed by its assumptions, o
       CPU s per pair = cpu_seconds / pairs x (assumed words per pair / measured words per pair)
       CPU-hours = CPU s per pair x pairs / 3600
       wall hours = CPU-hours / (max_num_workers x cores a worker uses)
-  with the workers of the config's `beam.options` (`--max_num_workers`, `--machine_type`;
+  with the workers of the config's `runner.options` (`--max_num_workers`, `--machine_type`;
   one core per worker when `--experiments=no_use_multiple_sdk_containers` keeps one
   Python process per VM), and the peak RSS of the stage's process at each measured size
   (flat across sizes: memory does not grow with the corpus);
@@ -99,11 +99,11 @@ def machine_vcpus(machine_type: str) -> int:
 
 
 def workers(options: Sequence[str]) -> Workers:
-    """The workers `beam.options` asks for. With `no_use_multiple_sdk_containers` a VM runs one
+    """The workers `runner.options` asks for. With `no_use_multiple_sdk_containers` a VM runs one
     Python process, so a pure-Python stage keeps one of its cores busy (the GIL)."""
     count, machine_type = _flag(options, "max_num_workers"), _flag(options, "machine_type")
     if count is None or machine_type is None:
-        raise ValueError("beam.options must give --max_num_workers=N and --machine_type=TYPE")
+        raise ValueError("runner.options must give --max_num_workers=N and --machine_type=TYPE")
     one_process = any("no_use_multiple_sdk_containers" in option for option in options
                       if option.startswith("--experiments="))
     return Workers(int(count), machine_type, 1 if one_process else machine_vcpus(machine_type))
@@ -347,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scaling-json", required=True, metavar="PATH",
                         help="what `benchmarks/scaling.py --json` wrote")
     parser.add_argument("--config", default="configs/overlays/wmt14.yaml",
-                        help="the target: its models, steps, vocabulary and beam.options")
+                        help="the target: its models, steps, vocabulary and runner.options")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a value of --config")
     parser.add_argument("--pairs", type=int, default=WMT_PAIRS, help="training pairs")
@@ -382,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.scaling_json) as f:
         scaling = json.load(f)
     try:
-        on = workers(config.beam.options)
+        on = workers(config.runner.options)
     except ValueError as e:
         print(f"wmt_plan: {args.config}: {e}", file=sys.stderr)
         return 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import re
 import reprlib
@@ -32,7 +31,6 @@ from typing import Any, Literal, Optional, Sequence
 
 import yaml
 
-log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -437,7 +435,7 @@ class DistillConfig:
 @dataclasses.dataclass(frozen=True)
 class Decoder:
     """What the pipeline needs to know of a decoding kind without running it (its search
-    is `model/inference.py: SEARCHES[kind]`)."""
+    is `model/translator.py: SEARCHES[kind]`)."""
 
     stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "student"
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
@@ -459,7 +457,7 @@ DECODE_KINDS = tuple(DECODERS)
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMethod:
-    """One decoding method to measure (model/decoding.py, model/beam_search.py).
+    """One decoding method to measure (model/refinement.py, model/beam_search.py).
 
     The AR kinds decode with the `teacher` artifact, the others with the PaDIR student
     (`student`). Each kind reads only its options (`DECODERS`); giving another one a value
@@ -569,10 +567,10 @@ class DecodeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class BeamConfig:
-    """Beam pipeline options; command-line flags given to a job override these."""
+class RunnerConfig:
+    """The Apache Beam runner and its pipeline options; flags given to a job override these."""
 
-    runner: str = "FnApiRunner"
+    name: str = "FnApiRunner"
     options: tuple[str, ...] = ()  # extra flags, e.g. ["--direct_num_workers=2"]
 
 
@@ -582,7 +580,7 @@ class Config:
 
     workdir: str = "work"  # local (made absolute, relative to the current directory) or gs://
     seed: int = 0
-    beam: BeamConfig = BeamConfig()
+    runner: RunnerConfig = RunnerConfig()
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # fails: langs required
     prepare: PrepareConfig = PrepareConfig()
     vocab: VocabConfig = VocabConfig()
@@ -764,44 +762,11 @@ def parse_override(text: str) -> tuple[str, Any]:
                           "quote it to pass a string") from e
 
 
-# Old section name -> its new name: still read (with a warning) for one release.
-RENAMED_SECTIONS = {"train": "student"}
-
-
-def _rename_sections(data: dict, where: str, renamed: set[str]) -> None:
-    """Moves each old-named top-level section of `data` to its new name (into `renamed`).
-
-    Raises:
-      ConfigError: `data` has both the old and the new name.
-    """
-    for old, new in RENAMED_SECTIONS.items():
-        if old in data:
-            if new in data:
-                raise ConfigError(f"{where}: both '{old}' and '{new}' given; '{old}' is the "
-                                  f"old name of '{new}': keep only '{new}'")
-            data[new] = data.pop(old)
-            renamed.add(old)
-
-
 def load(path: str, overrides: Sequence[str] = ()) -> Config:
-    """Reads a YAML config (with `include:` of a base file) and applies `--set` overrides.
-
-    An old section name (`RENAMED_SECTIONS`), in a file or an override, is read as the new
-    one, with one warning line per name.
-    """
-    renamed: set[str] = set()
-    data = _read_yaml(path, (), renamed)
+    """Reads a YAML config (with `include:` of a base file) and applies `--set` overrides."""
+    data = _read_yaml(path, ())
     for text in overrides:
-        key, value = parse_override(text)
-        section, dot, rest = key.partition(".")
-        if section in RENAMED_SECTIONS:
-            key = RENAMED_SECTIONS[section] + dot + rest
-            renamed.add(section)
-        _set_path(data, key, value)
-    for old in sorted(renamed):
-        new = RENAMED_SECTIONS[old]
-        log.warning("config: section '%s' is now '%s'; read as '%s' (rename it: '%s' stops "
-                    "working in a later release)", old, new, new, old)
+        _set_path(data, *parse_override(text))
     return from_dict(Config, data)
 
 
@@ -822,12 +787,11 @@ def _parse_yaml(path: str) -> Any:
         raise ConfigError(f"{path}: invalid YAML: {type(e).__name__}") from e
 
 
-def _read_yaml(path: str, including: tuple[str, ...], renamed: set[str]) -> dict:
+def _read_yaml(path: str, including: tuple[str, ...]) -> dict:
     """A YAML mapping; `include: base.yaml` (relative to this file) is merged underneath.
 
     Args:
       including: the real paths of the files that include this one (an include loop).
-      renamed: collects the old section names read (`_rename_sections`).
     """
     real = os.path.realpath(path)
     if real in including:
@@ -836,14 +800,12 @@ def _read_yaml(path: str, including: tuple[str, ...], renamed: set[str]) -> dict
     data = _parse_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {_short(data)}")
-    _rename_sections(data, path, renamed)
     base = data.pop("include", None)
     if base is None:
         return data
     if not isinstance(base, str):
         raise ConfigError(f"{path}: include: expected a file name, got {_short(base)}")
-    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*including, real),
-                        renamed)
+    merged = _read_yaml(os.path.join(os.path.dirname(path), base), (*including, real))
     _merge(merged, data)
     return merged
 

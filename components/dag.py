@@ -42,18 +42,18 @@ STAGES: dict[str, StageSpec] = {
     "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab"),
                         entry="pipelines.encode:run", beam=True),
     "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode"),
-                         entry="model.stages:run_teacher", beam=False),
+                         entry="pipelines.teacher:run", beam=False),
     "distill": StageSpec(sections=("distill",), inputs=("prepare", "teacher"),
                          entry="pipelines.distill:run", beam=True),
     "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab"),
-                                  entry="pipelines.encode:run_distilled", beam=True),
+                                  entry="pipelines.encode_distilled:run", beam=True),
     # Reads "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
     "student": StageSpec(sections=("student", "seed"), inputs=("prepare", "vocab", "encode"),
-                         entry="model.stages:run_student", beam=False),
+                         entry="pipelines.student:run", beam=False),
     "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "student"),
                         entry="pipelines.decode:run", beam=True),
     "score": StageSpec(sections=(), inputs=("prepare", "decode"),
-                       entry="components.score:run", beam=False),
+                       entry="pipelines.score:run", beam=False),
 }
 DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
 

@@ -1,6 +1,6 @@
 """The per-sentence logic of the `distill` stage (plain Python, no Beam), and its figures.
 
-A teacher translation arrives as the record of `model.inference.Translation`
+A teacher translation arrives as the record of `model.translator.Translation`
 (`TranslationModelHandler`'s `inference`): `hypothesis` (text), `tokens` (ids, EOS
 included when the beam emitted one), `score` (the beam's length-penalised
 log-probability), `source_tokens` (EOS included, after any cut), `truncated`, `latency_s`.

@@ -23,8 +23,6 @@ from flows import local_api, stages
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
 USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError,
                artifacts.LeaseHeldError)
-# Old stage name -> its new name: `padir stage OLD` still runs it, for one release.
-RENAMED_STAGES = {"train": "student"}
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     stage = commands.add_parser(
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
-    stage.add_argument("name", choices=[*dag.STAGES, *RENAMED_STAGES],
-                       metavar="{" + ",".join(dag.STAGES) + "}")
+    stage.add_argument("name", choices=dag.STAGES)
     _add_config_args(stage)
     _add_translate_command(commands)
     _add_pipeline_commands(commands)
@@ -93,11 +90,11 @@ def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
     except local_api.PrefectUnavailable as e:
         print(f"padir: error: {e}", file=sys.stderr)
         return 2
-    from flows import pipeline
+    from flows import flow
 
     try:
-        uris = pipeline.padir_pipeline(args.config, args.set, **selection)
-    except pipeline.StageFailed as e:
+        uris = flow.padir_pipeline(args.config, args.set, **selection)
+    except flow.StageFailed as e:
         print(f"padir: {e}\npadir: the stages before '{e.stage}' are reused when rerun",
               file=sys.stderr)
         if isinstance(e.__cause__, artifacts.StageStopped):
@@ -159,10 +156,10 @@ def _duration(seconds: float | None) -> str:
 
 
 def _serve(args: argparse.Namespace, config: config_lib.Config) -> int:
-    from flows import pipeline
+    from flows import flow
 
     name = args.name or os.path.splitext(os.path.basename(args.config))[0]
-    pipeline.serve(args.config, args.set, name=name, cron=args.cron,
+    flow.serve(args.config, args.set, name=name, cron=args.cron,
                    from_stage=args.from_stage, only=args.only, force=args.force)
     return 0
 
@@ -244,9 +241,9 @@ def absolute(uri: str) -> str:
 
 
 def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: int) -> Any:
-    from model import inference  # JAX: only for this command
+    from model import translator  # JAX: only for this command
 
-    return inference.Translator(inference.load(checkpoint), method, batch_size=batch_size)
+    return translator.Translator(translator.load(checkpoint), method, batch_size=batch_size)
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -354,16 +351,6 @@ def _theory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _current_stage_name(name: str) -> str:
-    """`name`, or the new name of a renamed stage (with one deprecation line on stderr)."""
-    if name not in RENAMED_STAGES:
-        return name
-    new = RENAMED_STAGES[name]
-    print(f"padir: 'stage {name}' is now 'stage {new}'; running stage {new} ('stage {name}' "
-          "stops working in a later release)", file=sys.stderr)
-    return new
-
-
 # JAX's persistent compilation cache, unless the environment configures it: a size bound
 # (least recently used programs go first) keeps it from growing without end.
 COMPILATION_CACHE_MAX_BYTES = 2 << 30
@@ -394,9 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _translate(args) if args.command == "translate" else _theory(args)
         config = config_lib.load(args.config, args.set)
         if args.command == "stage":
-            name = _current_stage_name(args.name)
-            artifact = stages.run_stage(name, config, beam_args=extra)
-            print(f"{name}: {artifact.uri}")
+            artifact = stages.run_stage(args.name, config, beam_args=extra)
+            print(f"{args.name}: {artifact.uri}")
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         else:

@@ -3,7 +3,7 @@
 Every active stage of the config (`components.dag.graph`: the distillation stages only
 with `distill.enabled`) is visited in topological order. A selected stage runs when it is forced (`force`, or at or below `from_stage`), when its artifact is not
 complete (never built, deleted, or left partial by a crash), or when one of its inputs
-runs; otherwise its complete artifact is reused. The Prefect flow (flows/pipeline.py)
+runs; otherwise its complete artifact is reused. The Prefect flow (flows/flow.py)
 executes this plan; `padir status` shows the same facts without running anything.
 
     plan(config)                        # everything, reusing what is complete

@@ -1,6 +1,6 @@
 """Running one stage: the function `components.dag.STAGES` names for it, imported on use.
 
-The CLI (`padir stage`) and the Prefect flow (`flows/pipeline.py`) both run stages through
+The CLI (`padir stage`) and the Prefect flow (`flows/flow.py`) both run stages through
 `run_stage`, so a stage is registered once, in the DAG, beside its inputs and sections.
 """
 

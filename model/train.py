@@ -52,7 +52,7 @@ from components.config import (
 )
 from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
-from model import checkpoints, decoding, sharding
+from model import checkpoints, refinement, sharding
 
 log = logging.getLogger(__name__)
 
@@ -769,14 +769,14 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
     budgets both phases together. As for the teacher, the caller builds `model` with
     `cfg.label_smoothing`. `warm_start` (RunSpec) starts phase 1, e.g. from the teacher.
-    Dev BLEU is of `decoding.predict_refined` at STUDENT_DEV_ITERATIONS passes.
+    Dev BLEU is of `refinement.predict_refined` at STUDENT_DEV_ITERATIONS passes.
     """
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
         loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
         deadline=_deadline(cfg.loop), warm_start=warm_start,
-        predict=functools.partial(decoding.predict_refined, model,
+        predict=functools.partial(refinement.predict_refined, model,
                                   max_iterations=STUDENT_DEV_ITERATIONS))
     result = train(model, data, phase1, mesh)
     if not result.completed or cfg.phase2_steps == 0:

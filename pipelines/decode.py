@@ -24,10 +24,10 @@ Contract:
 The batched pass decodes batches of similar lengths and one decoder shape
 (pipelines/batching.py), as a production batch translator does: a batch costs what its
 longest sentence costs. Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
-model/inference.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
+model/translator.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
 Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
 counted), never dropped. Each method x test set x pass is one RunInference; the
-checkpoints are restored once per worker process (pipelines/inference.py).
+checkpoints are restored once per worker process (pipelines/model_handler.py).
 
 Run it alone, locally (the in-process FnApiRunner, which runs one decode at a time, as the
 timings need):
@@ -59,7 +59,7 @@ from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from pipelines import batching, job
 from pipelines import options as options_lib
-from pipelines.inference import TranslationModelHandler
+from pipelines.model_handler import TranslationModelHandler
 
 NAMESPACE = "decode"  # of the Beam counters that become the manifest's counts
 HYPOTHESES, LATENCY = "hypotheses", "latency"  # the two passes' folders

@@ -29,7 +29,7 @@ of one decoder shape each, sorted by length, with the teacher's tokenizer and th
 buckets `encode.bucket_boundaries` it was trained with, in groups of a bounded size
 (`batching.MAX_GROUP_SIZE`), so that no worker sorts more however large the corpus; the
 batches' contents do not depend on the runner, so a rerun writes the same pairs. Each
-worker process restores the teacher once (pipelines/inference.py).
+worker process restores the teacher once (pipelines/model_handler.py).
 
 Run it alone, locally (the in-process FnApiRunner):
 
@@ -59,7 +59,7 @@ from components import config as config_lib
 from components import tokenizer as tokenizer_lib
 from pipelines import batching, job, shards
 from pipelines import options as options_lib
-from pipelines.inference import TranslationModelHandler
+from pipelines.model_handler import TranslationModelHandler
 
 NAMESPACE = "distill"  # of the Beam counters that become the manifest's counts
 # The counts every manifest has, 0 if none.

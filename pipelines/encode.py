@@ -22,16 +22,14 @@ except where two segmentations score exactly the same: tf-text's bundled Sentenc
 such ties differently from the Python package (e.g. "10,000" -> '00','0' vs '0','00'; 3 of
 the 58k Multi30k train sentences). Both decode to the same text.
 The input patterns are a parameter of `build`, so any source of pairs in the prepared
-format is encoded the same way: the `encode_distilled` stage (`run_distilled`, or
-`--distilled` below) is this job on the `distill` artifact, whose `train` pairs hold the
+format is encoded the same way: the `encode_distilled` stage (pipelines/encode_distilled.py)
+is this job on the `distill` artifact, whose `train` pairs hold the
 teacher's translations and whose `dev` pairs are the prepared ones; it writes
 `<workdir>/encode_distilled/<key>/` in the layout above.
 
-Run it alone, locally (the in-process FnApiRunner of the config's `beam` section):
+Run it alone, locally (the in-process FnApiRunner of the config's `runner` section):
 
     PADIR_DATA_ROOT=/path/to/data python -m pipelines.encode --config configs/multi30k_en_de.yaml
-    PADIR_DATA_ROOT=/path/to/data python -m pipelines.encode --config configs/multi30k_en_de.yaml \
-        --distilled                                   # the encode_distilled stage
 
 or on Dataflow (the workdir must then be a gs:// path):
 
@@ -43,7 +41,6 @@ or on Dataflow (the workdir must then be a gs:// path):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -233,17 +230,12 @@ PAIRS = {"encode": "prepare", "encode_distilled": "distill"}
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the encode artifact from the complete prepare and vocab artifacts."""
-    return _run(config, "encode", beam_args)
+    return run_stage(config, "encode", beam_args)
 
 
-def run_distilled(config: config_lib.Config,
-                  beam_args: Sequence[str] = ()) -> artifacts.Artifact:
-    """Recomputes the `encode_distilled` artifact (the student's training data) from the
-    complete distill artifact (teacher targets for train, the original dev) and vocab."""
-    return _run(config, "encode_distilled", beam_args)
-
-
-def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> artifacts.Artifact:
+def run_stage(config: config_lib.Config, stage: str,
+              beam_args: Sequence[str]) -> artifacts.Artifact:
+    """Runs this job as `stage` ("encode" or "encode_distilled") on that stage's pairs."""
     pairs = dag.require_input(config, PAIRS[stage])
     vocab = dag.require_input(config, "vocab")
     for split in records.SPLITS:  # structural errors before any work starts
@@ -257,17 +249,8 @@ def _run(config: config_lib.Config, stage: str, beam_args: Sequence[str]) -> art
         namespace=NAMESPACE, counter_names=COUNTER_NAMES, finish=finish)
 
 
-def _run_selected(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
-    """`--distilled` among the job's flags selects the encode_distilled stage."""
-    which = argparse.ArgumentParser(add_help=False)
-    which.add_argument("--distilled", action="store_true",
-                       help="the encode_distilled stage (the distill artifact's pairs)")
-    known, beam_args = which.parse_known_args(beam_args)
-    return (run_distilled if known.distilled else run)(config, beam_args=beam_args)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return options_lib.main(_run_selected, argv, __doc__)
+    return options_lib.main(run, argv, __doc__)
 
 
 if __name__ == "__main__":

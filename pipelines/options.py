@@ -1,7 +1,7 @@
 """Command line and pipeline options shared by every Beam job.
 
 A job's flags are `--config C [--set a.b=c ...]` followed by any Beam pipeline flags,
-which override the config's `beam` section:
+which override the config's `runner` section:
 
     python -m pipelines.prepare --config configs/multi30k_en_de.yaml
     python -m pipelines.prepare --config C --runner DataflowRunner --project P \
@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_runner.options.pipeline_options import PipelineOptions
 
 from components import artifacts, corpus, logs
 from components import config as config_lib
@@ -32,7 +32,7 @@ def parse_args(argv: Sequence[str] | None, description: str) -> tuple[config_lib
 
 def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -> PipelineOptions:
     """Config defaults first, command-line flags last (argparse keeps the last value)."""
-    flags = [f"--runner={config.beam.runner}", *config.beam.options, *beam_args]
+    flags = [f"--runner={config.runner.name}", *config.runner.options, *beam_args]
     return PipelineOptions(flags)
 
 

@@ -117,26 +117,6 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
         cli.main(["--debug", "status", "missing.yaml"])
 
 
-def test_stage_train_runs_the_student_stage_with_a_deprecation_line(tmp_path, monkeypatch,
-                                                                      capsys):
-    (tmp_path / "ok.yaml").write_text(
-        "data: {source_lang: en, target_lang: de, train: {tsv: x.tsv}}\n")
-    monkeypatch.chdir(tmp_path)
-    ran = []
-
-    def fake_run_stage(name, config, beam_args=()):
-        ran.append((name, tuple(beam_args)))
-        return dataclasses.make_dataclass("Artifact", ["uri"])(uri=f"work/{name}/k")
-
-    monkeypatch.setattr(stages, "run_stage", fake_run_stage)
-    assert cli.main(["stage", "train", "ok.yaml"]) == 0
-    out, err = capsys.readouterr()
-    assert ran == [("student", ())]
-    assert out == "student: work/student/k\n"
-    assert "padir: 'stage train' is now 'stage student'; running stage student ('stage train' " \
-           "stops working in a later release)\n" in err
-
-
 def test_padir_keeps_compiled_programs_in_the_users_cache(tmp_path):
     """Without JAX_COMPILATION_CACHE_DIR, `padir` sets JAX's persistent cache to
     $XDG_CACHE_HOME/padir/jax before JAX is imported: what a process compiles lands there."""

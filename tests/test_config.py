@@ -26,7 +26,7 @@ def _load(tmp_path, data=None, overrides=()) -> config_lib.Config:
 def test_defaults_live_in_the_schema(tmp_path):
     config = _load(tmp_path)
     assert config.prepare == config_lib.PrepareConfig()
-    assert config.beam.runner == "FnApiRunner"
+    assert config.runner.name == "FnApiRunner"
     assert config.data.train.source == "a.en"
 
 
@@ -54,7 +54,7 @@ def test_unknown_key_names_the_key(tmp_path, override, key):
     ("prepare.max_length_ratio=[1]", "prepare.max_length_ratio", "a number"),
     ("prepare.max_length_ratio=2e", "prepare.max_length_ratio", "a number"),
     ("prepare.max_chars=1e3", "prepare.max_chars", "an integer"),
-    ("beam.options=--flag", "beam.options", "a list"),
+    ("runner.options=--flag", "runner.options", "a list"),
     ("data.train=3", "data.train", "a mapping"),
     ("vocab.model_type=wordpiece", "vocab.model_type", "one of"),
 ])
@@ -68,7 +68,7 @@ def test_set_overrides_scalars_nested_keys_and_lists(tmp_path):
         "seed=3",
         "prepare.max_length_ratio=2",  # an int where a float is expected
         "data.train.target=b.de",  # nested, keeps the sibling `source`
-        "beam.options=[--direct_num_workers=2, --direct_running_mode=multi_threading]",
+        "runner.options=[--direct_num_workers=2, --direct_running_mode=multi_threading]",
         "data.test=[{name: test2016, corpus: {source: t.en, target: t.de}}]",
         "data.max_train_pairs=null",
         "teacher.optimizer.learning_rate=2e-3",  # PyYAML reads it as a string
@@ -78,7 +78,7 @@ def test_set_overrides_scalars_nested_keys_and_lists(tmp_path):
     assert config.prepare.max_length_ratio == 2.0 and isinstance(
         config.prepare.max_length_ratio, float)
     assert (config.data.train.source, config.data.train.target) == ("a.en", "b.de")
-    assert config.beam.options == ("--direct_num_workers=2", "--direct_running_mode=multi_threading")
+    assert config.runner.options == ("--direct_num_workers=2", "--direct_running_mode=multi_threading")
     assert config.data.test == (config_lib.TestSetConfig(
         "test2016", config_lib.CorpusConfig(source="t.en", target="t.de")),)
     assert config.data.max_train_pairs is None
@@ -140,38 +140,6 @@ def test_include_merges_the_overlay_over_its_base(tmp_path):
     assert config.workdir == os.path.abspath("work/small") and config.seed == 1
     assert config.data.train.source == "a.en" and config.data.max_train_pairs == 10
     assert (config.prepare.max_chars, config.prepare.num_shards) == (50, 1)
-
-
-RENAMED = ("config: section 'train' is now 'student'; read as 'student' (rename it: 'train' "
-           "stops working in a later release)")
-
-
-def _warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-
-
-def test_an_old_train_section_is_read_as_student_with_one_warning(tmp_path, caplog):
-    config = _load(tmp_path, {**BASE, "train": {"phase1_steps": 5, "num_stages": 3}})
-    assert (config.student.phase1_steps, config.student.num_stages) == (5, 3)
-    assert _warnings(caplog) == [RENAMED]
-    assert config == _load(tmp_path, {**BASE, "student": {"phase1_steps": 5, "num_stages": 3}})
-
-
-def test_an_old_train_override_is_read_as_student_with_one_warning(tmp_path, caplog):
-    config = _load(tmp_path, {**BASE, "train": {"num_stages": 3}},
-                   overrides=["train.phase1_steps=3", "train.phase2_steps=0"])
-    assert (config.student.phase1_steps, config.student.phase2_steps) == (3, 0)
-    assert config.student.num_stages == 3
-    assert _warnings(caplog) == [RENAMED]
-    caplog.clear()
-    student = _load(tmp_path, {**BASE, "student": {"num_stages": 3}},
-                    overrides=["train.phase1_steps=3", "train.phase2_steps=0"])
-    assert student == config and _warnings(caplog) == [RENAMED]
-
-
-def test_train_and_student_sections_together_are_an_error(tmp_path):
-    with pytest.raises(ConfigError, match="both 'train' and 'student' given"):
-        _load(tmp_path, {**BASE, "train": {"phase1_steps": 5}, "student": {"num_stages": 3}})
 
 
 def test_the_shipped_configs_load(monkeypatch):
@@ -259,7 +227,7 @@ def test_section_hash_is_stable_and_changes_only_for_the_changed_section(tmp_pat
     assert dag.stage_key(vocab_changed, "prepare") == dag.stage_key(config, "prepare")
     assert dag.stage_key(vocab_changed, "vocab") != dag.stage_key(config, "vocab")
     # Settings that do not define any output (the runner, the workdir) change no key.
-    moved = _load(tmp_path, overrides=["workdir=elsewhere", "beam.runner=DataflowRunner"])
+    moved = _load(tmp_path, overrides=["workdir=elsewhere", "runner.name=DataflowRunner"])
     assert dag.stage_key(moved, "vocab") == dag.stage_key(config, "vocab")
 
 
@@ -330,6 +298,6 @@ def test_a_type_error_never_echoes_the_whole_value(tmp_path):
 
 def test_the_dataflow_overlay_carries_the_runinference_flags(monkeypatch):
     monkeypatch.setenv("PADIR_DATA_ROOT", "gs://b/data")
-    options = config_lib.load("configs/overlays/dataflow.yaml").beam.options
+    options = config_lib.load("configs/overlays/dataflow.yaml").runner.options
     assert {"--experiments=no_use_multiple_sdk_containers",
             "--number_of_worker_harness_threads=1", "--sdk_location=container"} <= set(options)

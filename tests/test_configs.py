@@ -59,8 +59,8 @@ def test_the_wmt14_overlay_is_the_tpu_model_on_dataflow_with_gcs_inputs(monkeypa
             tpu.section(name).model
         assert (model.max_source_len, model.max_target_len) == (128, 128)
     # Every Dataflow flag of the Dataflow overlay (restated: a list replaces), plus workers.
-    assert wmt14.beam.runner == dataflow.beam.runner == "DataflowRunner"
-    assert set(dataflow.beam.options) < set(wmt14.beam.options)
-    assert any(flag.startswith("--max_num_workers=") for flag in wmt14.beam.options)
+    assert wmt14.runner.name == dataflow.runner.name == "DataflowRunner"
+    assert set(dataflow.runner.options) < set(wmt14.runner.options)
+    assert any(flag.startswith("--max_num_workers=") for flag in wmt14.runner.options)
     # The artifact keys are computable (every section validates) and differ from the TPU's.
     assert dag.stage_key(wmt14, "prepare") != dag.stage_key(tpu, "prepare")

@@ -27,7 +27,7 @@ import pytest
 import sentencepiece as spm
 from apache_beam.internal import pickler
 from apache_beam.ml.inference.base import _RunInferenceDoFn
-from apache_beam.options.pipeline_options import GoogleCloudOptions, WorkerOptions
+from apache_runner.options.pipeline_options import GoogleCloudOptions, WorkerOptions
 from apache_beam.runners.dataflow.dataflow_runner import DataflowRunner
 
 from components import artifacts, corpus
@@ -115,7 +115,7 @@ def _do_fns(pipeline: beam.Pipeline) -> list[beam.DoFn]:
 
 def test_the_overlay_targets_dataflow_with_the_project_container(config):
     options = options_lib.pipeline_options(config, OFFLINE)
-    assert config.beam.runner == "DataflowRunner" and config.workdir.startswith("gs://")
+    assert config.runner.name == "DataflowRunner" and config.workdir.startswith("gs://")
     assert options.view_as(GoogleCloudOptions).temp_location.startswith("gs://")
     assert options.view_as(WorkerOptions).sdk_container_image.endswith("beam-worker:0.1.0")
     assert isinstance(_dataflow_pipeline(config).runner, DataflowRunner)

@@ -1,11 +1,11 @@
-"""The decoding path on tiny data: model/inference.py (Translator), pipelines/inference.py
-(the RunInference handler), pipelines/decode.py (the stage), components/score.py and
+"""The decoding path on tiny data: model/translator.py (Translator), pipelines/model_handler.py
+(the RunInference handler), pipelines/decode.py (the stage), pipelines/score.py and
 components/report.py (the score stage), and `padir translate`.
 
 The fixture runs the real prepare and vocab stages on the tiny Multi30k slice
 (tests/tiny_experiment.py), then publishes *untrained* teacher and train artifacts through
 the real artifact and checkpoint modules (`publish_untrained`), in seconds: training the
-tiny models costs ~2 minutes and is covered by tests/test_stages.py. Decoding reads them
+tiny models costs ~2 minutes and is covered by tests/test_training_stages.py. Decoding reads them
 exactly as it reads trained ones; the hypotheses are nonsense, which no test here minds.
 """
 
@@ -23,15 +23,15 @@ from apache_beam.testing import test_pipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from components import artifacts, corpus, dag, report
-from components import score as score_stage
+from pipelines import score as score_stage
 from components import config as config_lib
 from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import inference, shortlist
+from model import translator, shortlist
 from pipelines import decode
-from pipelines import inference as beam_inference
+from pipelines import model_handler
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
 METHODS = [  # every kind, each as cheap as it gets
@@ -67,7 +67,7 @@ def _uri(config, stage: str) -> str:
 def _sentences(config, count: int, lengths: range) -> list[str]:
     """`count` distinct word prefixes of test sentences whose token count (with EOS) is in
     `lengths`, so that they fall in one length bucket and one output width."""
-    tokenizer = inference.load_cached(_uri(config, "student")).tokenizer
+    tokenizer = translator.load_cached(_uri(config, "student")).tokenizer
     found = []
     for pair in corpus.read_split(dag.output_uri(config, "prepare"), "test2016"):
         words = pair["source"].split()
@@ -95,7 +95,7 @@ def test_decode_methods_refuse_options_their_kind_does_not_read():
 
 
 def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
-    assert list(inference.SEARCHES) == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
+    assert list(translator.SEARCHES) == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
     fields = {field.name for field in config_lib.decode_options()}
     flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
     for kind, decoder in config_lib.DECODERS.items():
@@ -113,11 +113,11 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
     uri = _uri(config, "student")
     method = DecodeMethod("padir_2", "padir", iterations=2)
     sources = _sentences(config, 10, range(9, 17))  # bucket 16, output width 32
-    handler = beam_inference.TranslationModelHandler(uri, method, batch_size=2,
+    handler = model_handler.TranslationModelHandler(uri, method, batch_size=2,
                                                      boundaries=BUCKETS)
     load_key, trace_key = (uri, "padir_2", 2), (uri, "padir_2", 2)
-    loads, traces = beam_inference.LOADS[load_key], inference.TRACES[trace_key]
-    restores = inference.RESTORES[uri]
+    loads, traces = model_handler.LOADS[load_key], translator.TRACES[trace_key]
+    restores = translator.RESTORES[uri]
     with test_pipeline.TestPipeline(runner="FnApiRunner") as p:
         results = (p
                    | beam.Create(list(enumerate(sources)))
@@ -125,14 +125,14 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
                    | beam.MapTuple(lambda i, result: (i, result.example,
                                                       result.inference["batch_size"] <= 2)))
         assert_that(results, equal_to([(i, s, True) for i, s in enumerate(sources)]))
-    assert beam_inference.LOADS[load_key] - loads == 1  # 5+ batches, one load
-    assert inference.TRACES[trace_key] - traces == 1  # lengths 9..16: one shape
-    assert inference.RESTORES[uri] - restores <= 1 and inference.RESTORES[uri] >= 1
+    assert model_handler.LOADS[load_key] - loads == 1  # 5+ batches, one load
+    assert translator.TRACES[trace_key] - traces == 1  # lengths 9..16: one shape
+    assert translator.RESTORES[uri] - restores <= 1 and translator.RESTORES[uri] >= 1
 
 
 def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
     monkeypatch.setattr(beam_inference, "PROGRESS_EVERY_S", 0.0)  # log after every batch
-    handler = beam_inference.TranslationModelHandler(
+    handler = model_handler.TranslationModelHandler(
         _uri(config, "teacher"), DecodeMethod("greedy", "ar_greedy"), batch_size=2,
         boundaries=BUCKETS, expected_sentences=10)
     model = handler.load_model()
@@ -146,22 +146,22 @@ def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
 
 
 def test_translator_pads_to_buckets_and_times_each_batch(config):
-    loaded = inference.load_cached(_uri(config, "teacher"))
-    translator = inference.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
+    loaded = translator.load_cached(_uri(config, "teacher"))
+    translator = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
                                       boundaries=BUCKETS)
     key = (loaded.uri, "g", 3)
     short = _sentences(config, 4, range(2, 9))  # bucket 16, width 16
     long = _sentences(config, 1, range(17, 33))  # bucket 32, width 64
     first = translator.translate(short)
-    assert inference.TRACES[key] == 1
+    assert translator.TRACES[key] == 1
     assert len(first) == 4 and [t.batch_size for t in first] == [3, 3, 3, 1]
     assert all(t.latency_s > 0 and t.passes == len(t.tokens) and t.score is None for t in first)
     assert first[3].latency_s == first[3].batch_seconds  # a batch of one is not divided
     assert first[0].latency_s == pytest.approx(first[0].batch_seconds / 3)
     assert translator.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
-    assert inference.TRACES[key] == 2  # the long sentence's bucket; no other shape
+    assert translator.TRACES[key] == 2  # the long sentence's bucket; no other shape
     with pytest.raises(ConfigError, match="decodes with a 'student' artifact"):
-        inference.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
+        translator.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
 
 
 def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkeypatch):
@@ -170,21 +170,21 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
     monkeypatch.setattr(shortlist, "build", functools.partial(shortlist.build, frequent=8))
     monkeypatch.setattr(inference, "_SHORTLISTS", {})
-    loaded = inference.load_cached(_uri(config, "teacher"))
+    loaded = translator.load_cached(_uri(config, "teacher"))
     # The prepared pairs, tokenised, stand in for the encode artifact (not built in this
     # shared workdir: test_distill checks that the student refuses to train without it).
     read = []
     pairs = [(np.array(loaded.tokenizer.encode([pair["source"]])[0]),
               np.array(loaded.tokenizer.encode([pair["target"]])[0]))
              for pair in corpus.read_split(dag.output_uri(config, "prepare"), "train")]
-    monkeypatch.setattr(inference.input_pipeline, "split_files",
+    monkeypatch.setattr(translator.input_pipeline, "split_files",
                         lambda uri, split: read.append(uri) or [uri])
-    monkeypatch.setattr(inference.input_pipeline, "read_pairs", lambda files: iter(pairs))
-    translator = inference.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
+    monkeypatch.setattr(translator.input_pipeline, "read_pairs", lambda files: iter(pairs))
+    translator = translator.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
                                                            shortlist=True),
                                       batch_size=1, boundaries=BUCKETS)
-    table = inference.shortlist_table(loaded)
-    assert inference.shortlist_table(loaded) is table
+    table = translator.shortlist_table(loaded)
+    assert translator.shortlist_table(loaded) is table
     assert table.vocab_size == loaded.tokenizer.vocab_size
     assert read == [artifacts.read(loaded.uri).manifest["inputs"]["encode"]]
     sentences = _sentences(config, 3, range(2, 9))
@@ -193,7 +193,7 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
         allowed = shortlist.select(table, source)
         assert len(allowed) < loaded.tokenizer.vocab_size and len(allowed) % 8 == 0
         assert set(translation.tokens) <= set(allowed.tolist())
-    sizes = {key[4] for key in inference.WIDTH_TRACES if key[:3] == (loaded.uri, "g_short", 1)}
+    sizes = {key[4] for key in translator.WIDTH_TRACES if key[:3] == (loaded.uri, "g_short", 1)}
     assert sizes and all(size % 8 == 0 and size < loaded.tokenizer.vocab_size for size in sizes)
 
 
@@ -351,7 +351,7 @@ def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch,
                      "--iterations", "2", "--batch-size", "2"]) == 0
     lines = capsys.readouterr().out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
-    translator = inference.Translator(inference.load_cached(uri),
+    translator = translator.Translator(translator.load_cached(uri),
                                       DecodeMethod("padir", "padir", iterations=2),
                                       batch_size=2)
     # The command decodes each line alone here (a blank line fills its batch of 2).

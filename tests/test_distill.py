@@ -1,5 +1,5 @@
 """The distill stage (pipelines/distill.py), its element logic (components/distillation.py),
-and the student's distilled training data (`encode_distilled`, model/stages.py).
+and the student's distilled training data (`encode_distilled`, pipelines/training.py).
 
 The stage tests run the real prepare and vocab stages on the tiny Multi30k slice and
 distill it with an *untrained* tiny teacher (`publish_untrained`): its translations are
@@ -198,7 +198,8 @@ def test_filters_reject_exactly_the_pairs_they_should(config, distilled):
 
 
 def test_the_student_trains_on_the_encoded_distilled_pairs(config, distilled, monkeypatch):
-    from model import stages
+    from pipelines import student as student_stage
+    from pipelines import training
 
     artifact, kept, _ = distilled
     encoded = run_stage("encode_distilled", config)
@@ -210,18 +211,18 @@ def test_the_student_trains_on_the_encoded_distilled_pairs(config, distilled, mo
     assert counts["read.dev"] == artifact.manifest["counts"]["dev"]
 
     read = []
-    real_split_files = stages.input_pipeline.split_files
-    monkeypatch.setattr(stages.input_pipeline, "split_files",
+    real_split_files = training.input_pipeline.split_files
+    monkeypatch.setattr(training.input_pipeline, "split_files",
                         lambda uri, split: read.append(uri) or real_split_files(uri, split))
-    tokenizer = stages.load_tokenizer(config)
-    data = stages.training_data(config, "student", tokenizer)
+    tokenizer = training.load_tokenizer(config)
+    data = training.training_data(config, "student", tokenizer)
     assert set(read) == {encoded.uri}
     assert len(data.references) == counts["encoded.dev"]
     off = config.replace(distill=dataclasses.replace(config.distill, enabled=False))
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
-        stages.training_data(off, "student", tokenizer)  # the originals: not encoded here
+        training.training_data(off, "student", tokenizer)  # the originals: not encoded here
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode"):
-        stages.run_student(off)
+        student_stage.run(off)
     student_dir = os.path.join(config.workdir, "student")  # shared: other tests' keys live there
     key = dag.stage_key(off, "student")
     assert not [name for name in (os.listdir(student_dir) if os.path.isdir(student_dir) else [])

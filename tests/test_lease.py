@@ -45,10 +45,10 @@ def test_a_live_holder_is_named_and_a_killed_one_taken_over(tmp_path, caplog):
 def test_served_deployments_run_one_at_a_time(monkeypatch):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import pipeline
+    from flows import flow
 
     served = {}
-    monkeypatch.setattr(pipeline.padir_pipeline, "serve", lambda **kwargs: served.update(kwargs))
+    monkeypatch.setattr(flow.padir_pipeline, "serve", lambda **kwargs: served.update(kwargs))
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
-        pipeline.serve("configs/demo.yaml", name="nightly", cron="0 3 * * *")
+        flow.serve("configs/demo.yaml", name="nightly", cron="0 3 * * *")
     assert served["global_limit"] == 1 and served["cron"] == "0 3 * * *"

@@ -18,7 +18,7 @@ import pytest
 
 from components import artifacts, dag
 from components import config as config_lib
-from flows import pipeline
+from flows import flow
 from tiny_experiment import tiny_config
 
 pytestmark = pytest.mark.server
@@ -106,7 +106,7 @@ def test_a_served_scheduled_deployment_runs_on_a_real_server(prefect_server, tmp
         with SyncPrefectClient(url) as client:
             def deployment():
                 try:
-                    return client.read_deployment_by_name(f"{pipeline.FLOW_NAME}/nightly")
+                    return client.read_deployment_by_name(f"{flow.FLOW_NAME}/nightly")
                 except ObjectNotFound:
                     return None
 

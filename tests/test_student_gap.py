@@ -6,7 +6,7 @@ from benchmarks import student_gap
 from components import corpus, dag
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID
-from model import inference
+from model import translator
 from tiny_experiment import ensure, publish_untrained, tiny_config
 
 BUCKETS = (64,)
@@ -22,7 +22,7 @@ def config(tiny_workdir):
 
 @pytest.fixture(scope="module")
 def loaded(config):
-    return inference.load_cached(dag.output_uri(config, "student"))
+    return translator.load_cached(dag.output_uri(config, "student"))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def sources(config, loaded):
 def test_the_length_heads_lengths_decode_as_the_decode_stage_does(loaded, sources):
     tokens, predicted = student_gap.refine_at(loaded, sources, iterations=2, boundaries=BUCKETS)
     method = DecodeMethod("padir_2", "padir", iterations=2)
-    translator = inference.Translator(loaded, method, batch_size=student_gap.BATCH_SIZE,
+    translator = translator.Translator(loaded, method, batch_size=student_gap.BATCH_SIZE,
                                       boundaries=BUCKETS)
     assert tokens == [t.tokens for t in translator.translate(sources)]
     assert [len(ids) for ids in tokens] == predicted  # EOS at the predicted length

@@ -54,7 +54,7 @@ def _tiny_config(**sections) -> config_lib.Config:
 
 def test_workers_from_beam_options(plan):
     wmt = plan.load_config(os.path.join(ROOT, "configs/overlays/wmt14.yaml"), ())
-    assert plan.workers(wmt.beam.options) == plan.Workers(32, "n1-standard-1", 1)
+    assert plan.workers(wmt.runner.options) == plan.Workers(32, "n1-standard-1", 1)
     options = ["--max_num_workers=4", "--machine_type=n2-standard-8", "--max_num_workers=10"]
     assert plan.workers(options) == plan.Workers(10, "n2-standard-8", 8)  # the last flag wins
     # One SDK process per VM: a pure-Python stage keeps one core busy.

@@ -52,7 +52,7 @@ def tiny_config(workdir, *overrides: str) -> config_lib.Config:
 
 def ensure(config: config_lib.Config, *stages: str) -> None:
     """Runs each stage whose artifact is not complete yet (a test that checks a stage's own
-    run calls `stages.run_stage` instead)."""
+    run calls `training.run_stage` instead)."""
     from flows import stages as stages_lib
 
     for stage in stages:
@@ -68,10 +68,12 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
     import jax  # imported here: the config helper above must not start JAX
     import jax.numpy as jnp
 
-    from model import checkpoints, stages, train
+    from model import checkpoints, train
 
-    tokenizer = stages.load_tokenizer(config)
-    make = stages.teacher_model if stage == "teacher" else stages.student_model
+    from pipelines import training
+
+    tokenizer = training.load_tokenizer(config)
+    make = training.teacher_model if stage == "teacher" else training.student_model
     model = make(config, tokenizer)
     params = model.init(jax.random.key(1), train.example_batch(model))
     inputs = {name: dag.output_uri(config, name) for name in dag.inputs(config, stage)}

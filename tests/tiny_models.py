@@ -1,7 +1,7 @@
 """Tiny Transformers that memorise four random pairs, for the model and decoding tests.
 
 Training dominates those tests' time, so each trained model is built once a session
-(`functools.cache`) and shared: the PaDIR one by tests/test_models.py and tests/test_decoding.py.
+(`functools.cache`) and shared: the PaDIR one by tests/test_models.py and tests/test_refinement.py.
 """
 
 import functools

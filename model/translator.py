@@ -21,7 +21,7 @@ cut (Multi30k en-de targets average 1.04x their source): S and the cap are
 decode into the cap (the width only sizes their KV cache; the loop stops when every row
 has emitted EOS). The PaDIR kinds run two calls: the encoder and the length head, which
 pick candidate lengths up to the cap, then the decoder at the width T those lengths need
-(`decoding.output_width`: a multiple of 8), because every pass costs rows x T.
+(`refinement.output_width`: a multiple of 8), because every pass costs rows x T.
 Rows are filled up to `batch_size` with copies of the first sentence, whose outputs are
 discarded: a copy finishes when its original does, so filler rows never lengthen a
 `while_loop`. A translator therefore compiles once per source bucket S (`TRACES` counts
@@ -44,7 +44,7 @@ are on the host; AR: the encoder), the choice of width on the host, and `search_
 is `batch_seconds` divided by the number of real sentences in the batch (an amortised cost,
 not a latency a user would see).
 
-Decoder passes per sentence: for the NAR kinds what `model.decoding` reports; for the AR
+Decoder passes per sentence: for the NAR kinds what `model.refinement` reports; for the AR
 kinds the hypothesis length counting EOS (the steps that produced it; beam search may run
 a few more steps before it knows no live beam can win, each over `beam_size` rows).
 Scores: the beam's length-penalised log-probability (`ar_beam`), the mean token
@@ -69,7 +69,7 @@ from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from model import checkpoints, decoding, input_pipeline, shortlist, train
+from model import checkpoints, refinement, input_pipeline, shortlist, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -206,10 +206,10 @@ def _hypothesis_ids(row: np.ndarray) -> list[int]:
 def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Array, *,
                   max_len: int) -> Any:
     """The first call: the encoder (AR), or the encoder and the length head (PaDIR:
-    `decoding.Candidates` with lengths up to `max_len`)."""
+    `refinement.Candidates` with lengths up to `max_len`)."""
     if method.stage == "teacher":
         return model.encode(params, source)
-    return decoding.predict_candidates(
+    return refinement.predict_candidates(
         model, params, source, num_length_candidates=method.num_length_candidates,
         length_offsets=tuple(method.length_offsets), max_len=max_len)
 
@@ -240,19 +240,19 @@ def _ar_beam(model, method, params, encoded, rng, vocab_ids, *, width):
 
 
 def _refine(model, method, params, encoded, rng, vocab_ids, *, width):
-    return _result(decoding.refine(model, params, encoded, width=width,
+    return _result(refinement.refine(model, params, encoded, width=width,
                                    max_iterations=method.iterations, init=method.init,
                                    rng=rng if method.init == "random" else None,
                                    vocab_ids=vocab_ids))
 
 
 def _mask_predict(model, method, params, encoded, rng, vocab_ids, *, width):
-    return _result(decoding.mask_predict(model, params, encoded, width=width,
+    return _result(refinement.mask_predict(model, params, encoded, width=width,
                                          iterations=method.iterations, vocab_ids=vocab_ids))
 
 
 def _adaptive(model, method, params, encoded, rng, vocab_ids, *, width):
-    return _result(decoding.adaptive(model, params, encoded, width=width,
+    return _result(refinement.adaptive(model, params, encoded, width=width,
                                      tokens_per_step=method.tokens_per_step,
                                      criterion=method.criterion, vocab_ids=vocab_ids))
 
@@ -374,7 +374,7 @@ class Translator:
         if self.method.stage == "teacher":
             width = max_len
         else:
-            width = decoding.output_width(encoded.lengths, max_len)
+            width = refinement.output_width(encoded.lengths, max_len)
         vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)
         chosen_at = time.perf_counter()
         output = jax.block_until_ready(

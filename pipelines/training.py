@@ -1,14 +1,6 @@
-"""The training stages: `teacher` (the AR model) and `student` (the PaDIR student).
-
-Contract:
-  reads:  an encode artifact (TFRecord shards of `train` and `dev`): the teacher always
-          `encode` (the original pairs), the student `dag.student_data(config)` (the
-          distilled pairs, `encode_distilled`, when `distill.enabled`, else `encode`);
-          the `vocab` artifact (`spm.model`) and the `prepare` artifact (raw dev
-          references for BLEU).
-  writes: `<workdir>/teacher/<key>/` or `<workdir>/student/<key>/` with `checkpoints/`
-          (orbax; the student's in `checkpoints/phase1` and `checkpoints/phase2`),
-          `tensorboard/`, and a manifest with the final dev metrics.
+"""What the two training stages share: `teacher` (pipelines/teacher.py, the AR model) and
+`student` (pipelines/student.py, the PaDIR student) read their data, build their model and
+publish their checkpoints the same way, over model/train.py's loop.
 
 Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`) under the
 key's lease, so a run that is killed, preempted (SIGTERM) or crashes resumes exactly from its
@@ -21,32 +13,25 @@ comes first, before anything touches the JAX backend; all processes train and wr
 checkpoints together; process 0 alone takes the lease, writes the manifest and publishes.
 The processes agree (`sharding.agreement`) once set up, once trained and once published, so
 that a failure on one (a held lease, a missing input) ends all of them at once.
-
-    padir stage teacher configs/multi30k_en_de.yaml
-    padir stage student configs/multi30k_en_de.yaml
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import Any
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from components import artifacts, corpus, dag, metrics
+from components import artifacts, corpus, dag
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import inference, input_pipeline, sharding, train, warm_start
+from model import input_pipeline, sharding, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
 
 TRAIN, DEV = "train", "dev"
-DEV_BEAM_SIZE, DEV_LENGTH_PENALTY = 4, 0.6  # the teacher's final dev evaluation
 
 
 def load_tokenizer(config: config_lib.Config) -> Tokenizer:
@@ -99,7 +84,7 @@ SHARED_ERRORS = (artifacts.LeaseHeldError, artifacts.IncompleteArtifactError,
                  artifacts.StageStopped)
 
 
-def _publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artifact:
+def publish(config: config_lib.Config, stage: str, train_fn) -> artifacts.Artifact:
     """Runs `train_fn(pending, data, tokenizer) -> TrainResult` inside a resumable artifact,
     published by process 0 once every process is done (see the module docstring).
 
@@ -145,86 +130,3 @@ def _record(stage: str, result: train.TrainResult, pending: artifacts.PendingArt
 
 def _count_parameters(params: Any) -> int:
     return int(sum(leaf.size for leaf in jax.tree_util.tree_leaves(params)))
-
-
-def run_teacher(config: config_lib.Config) -> artifacts.Artifact:
-    """Trains the AR teacher on the encoded original pairs."""
-
-    def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
-        model = teacher_model(config, tokenizer)
-        result = train.train_teacher(
-            model, data, config.teacher, config.mesh, checkpoint_dir=pending.path("checkpoints"),
-            seed=config.seed, log_dir=pending.path("tensorboard"))
-        if result.completed or result.stop_reason == "time budget":
-            pending.metrics["dev_final"] = _final_dev_bleu(
-                model, pending.path("checkpoints"), config.teacher.loop.best_metric, data,
-                result)
-        return result
-
-    return _publish(config, "teacher", train_fn)
-
-
-def _final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
-                    data: train.TrainData, result: train.TrainResult) -> dict[str, Any]:
-    """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search.
-
-    Every process decodes its slice of the dev rows with the whole parameters on its own
-    device; the slices are gathered, so every process scores the whole dev set. Greedy
-    decoding is what the dev evaluations score, and the training run evaluated its last
-    step: when that step is the best, its greedy BLEU is taken, not decoded again."""
-    params, step = inference.restore(model, checkpoint_dir, best_metric)
-    last = result.dev_metrics or {}
-    reuse_greedy = step == int(result.state.step) and {"bleu", "bleu_tok_lc"} <= set(last)
-    searches = {} if reuse_greedy else {"greedy": jax.jit(model.predict_batch)}
-    searches[f"beam{DEV_BEAM_SIZE}"] = jax.jit(functools.partial(
-        model.beam_search, beam_size=DEV_BEAM_SIZE, length_penalty=DEV_LENGTH_PENALTY))
-    scores = {}
-    for name, search in searches.items():
-        hypotheses = []
-        for batch in data.dev_batches:
-            output = search(params, batch)
-            tokens = np.asarray(output[0] if isinstance(output, tuple) else output)
-            sources = batch["source"]
-            if jax.process_count() > 1:
-                tokens, sources = (np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                                   for x in (tokens, sources))
-            hypotheses += [data.detokenize(row.tolist())
-                           for source, row in zip(sources, tokens) if source.any()]
-        bleu = metrics.corpus_bleu(hypotheses, data.references, data.target_lang)
-        tok_lc = metrics.tokenized_lowercased_bleu(hypotheses, data.references)
-        scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature,
-                        "bleu_tok_lc": round(tok_lc.score, 2)}
-        log.info("teacher dev %s: BLEU %.2f (tokenised lowercased %.2f)", name, bleu.score,
-                 tok_lc.score)
-    if reuse_greedy:  # scored by the same sacreBLEU configuration as the beam search
-        beam = scores[f"beam{DEV_BEAM_SIZE}"]
-        scores = {"greedy": {"bleu": round(last["bleu"], 2), "signature": beam["signature"],
-                             "bleu_tok_lc": round(last["bleu_tok_lc"], 2)}, **scores}
-        log.info("teacher dev greedy: BLEU %.2f (step %d's evaluation)", last["bleu"], step)
-    return scores
-
-
-def run_student(config: config_lib.Config) -> artifacts.Artifact:
-    """Trains the PaDIR student (on distilled pairs if `distill.enabled`): phase 1
-    single-stage, then phase 2 unrolled."""
-
-    def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
-        return train.train_student(
-            student_model(config, tokenizer), data, config.student, config.mesh,
-            checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
-            log_dir=pending.path("tensorboard"), warm_start=_teacher_warm_start(config))
-
-    return _publish(config, "student", train_fn)
-
-
-def _teacher_warm_start(config: config_lib.Config):
-    """With `student.init_from_teacher`: fresh student parameters -> the teacher's where
-    they fit (model/warm_start.py); else None."""
-    if not config.student.init_from_teacher:
-        return None
-    teacher_uri = dag.require_input(config, "teacher").uri
-
-    def start(params):
-        return warm_start.from_teacher(params, inference.load(teacher_uri).params)[0]
-
-    return start

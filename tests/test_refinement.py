@@ -1,4 +1,4 @@
-"""Tests for model/decoding.py: oracles pin down passes and re-masking; a tiny trained
+"""Tests for model/refinement.py: oracles pin down passes and re-masking; a tiny trained
 PaDIR model checks that every decoder emits valid sequences."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
-from model import decoding
+from model import refinement
 from model.models import masked_hypothesis
 from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB, memorised_padir
@@ -72,10 +72,10 @@ def _decode(decoder, model, params, source, *, num_length_candidates, length_off
             width=None, **options):
     """Both calls, as the Translator makes them; `width` defaults to the lengths' width."""
     max_len = model.config.max_target_len
-    candidates = decoding.predict_candidates(
+    candidates = refinement.predict_candidates(
         model, params, source, num_length_candidates=num_length_candidates,
         length_offsets=length_offsets, max_len=max_len)
-    width = width or decoding.output_width(candidates.lengths, max_len)
+    width = width or refinement.output_width(candidates.lengths, max_len)
     return decoder(model, params, candidates, width=width, **options)
 
 
@@ -95,10 +95,10 @@ def _assert_valid(tokens, lengths):
 def test_candidate_lengths_take_top_classes_plus_offsets_clipped():
     logits = jnp.array([[9.0, 0, 5, 0, 0, 0, 0, 7], [0, 0, 0, 0, 0, 3, 2, 0]])
     # Row 0: class 0 (length 1) is infeasible, so lengths 8 then 3; row 1: 6 then 7.
-    lengths = decoding.candidate_lengths(logits, 2, (-1, 0, 1), 8)
+    lengths = refinement.candidate_lengths(logits, 2, (-1, 0, 1), 8)
     np.testing.assert_array_equal(lengths, [[7, 8, 8, 2, 3, 4], [5, 6, 7, 6, 7, 8]])
     # A narrower output excludes longer classes before ranking.
-    np.testing.assert_array_equal(decoding.candidate_lengths(logits, 1, (0,), 7), [[3], [6]])
+    np.testing.assert_array_equal(refinement.candidate_lengths(logits, 1, (0,), 7), [[3], [6]])
 
 
 def test_accept_predictions_rejects_reserved_and_remasks_stutter():
@@ -106,21 +106,21 @@ def test_accept_predictions_rejects_reserved_and_remasks_stutter():
     predictions = jnp.array([[7, 7, 7, EOS_ID, 9, 2, 10, 11]])
     initial = jnp.array([[MASK_ID] * 7 + [EOS_ID]])
     content = jnp.arange(8)[None] < 7
-    hypothesis, accepted = decoding.accept_predictions(predictions, initial, content)
+    hypothesis, accepted = refinement.accept_predictions(predictions, initial, content)
     # "7 7 7" keeps its first 7; EOS and UNK inside the sentence are rejected.
     np.testing.assert_array_equal(
         hypothesis, [[7, MASK_ID, MASK_ID, MASK_ID, 9, MASK_ID, 10, EOS_ID]])
     np.testing.assert_array_equal(accepted, [[1, 0, 0, 0, 1, 0, 1, 0]])
     # With random initial pieces, the same positions go back to their initial piece.
     random_initial = jnp.array([[30, 31, 32, 33, 34, 35, 36, EOS_ID]])
-    hypothesis, _ = decoding.accept_predictions(predictions, random_initial, content)
+    hypothesis, _ = refinement.accept_predictions(predictions, random_initial, content)
     np.testing.assert_array_equal(hypothesis, [[7, 31, 32, 33, 9, 35, 10, EOS_ID]])
 
 
 @pytest.mark.parametrize("init", ["mask", "random"])
 def test_refine_with_an_oracle_converges_after_one_pass_and_one_confirming_pass(init):
     result = _decode(
-        decoding.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+        refinement.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
         length_offsets=(-1, 0, 1), max_iterations=4, init=init, rng=jax.random.key(0))
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.lengths, [3, 6, 8])
@@ -132,7 +132,7 @@ def test_refine_with_an_oracle_converges_after_one_pass_and_one_confirming_pass(
 def test_refine_stops_counting_a_converged_row_while_others_go_on():
     params = {"restless": jnp.array([False, True])}
     result = _decode(
-        decoding.refine, ORACLE, params, REFERENCE[:2], num_length_candidates=1,
+        refinement.refine, ORACLE, params, REFERENCE[:2], num_length_candidates=1,
         length_offsets=(0,), max_iterations=5)
     np.testing.assert_array_equal(result.passes, [2, 5])
     np.testing.assert_array_equal(result.tokens[0], REFERENCE[0])
@@ -141,7 +141,7 @@ def test_refine_stops_counting_a_converged_row_while_others_go_on():
     logits_fn = _oracle_logits_fn(params, REFERENCE[:2], MAX_LEN)
     lengths = jnp.array([3, 6])
     initial = masked_hypothesis(lengths, MAX_LEN)
-    state = decoding.refine_loop(logits_fn, initial, lengths, 5)
+    state = refinement.refine_loop(logits_fn, initial, lengths, 5)
     assert int(state.step) == 5
     np.testing.assert_array_equal(state.converged, [True, False])
 
@@ -153,7 +153,7 @@ def test_refine_remasks_stutter_and_rejected_predictions():
     logits = logits.at[0, 3, 12].set(10.0)
     lengths = jnp.array([6])
     initial = masked_hypothesis(lengths, MAX_LEN)
-    state = decoding.refine_loop(lambda h: logits, initial, lengths, 4)
+    state = refinement.refine_loop(lambda h: logits, initial, lengths, 4)
     np.testing.assert_array_equal(
         state.hypothesis, [[7, 8, MASK_ID, MASK_ID, 9, EOS_ID, 0, 0]])
     # Output: the best real piece where the prediction was not accepted.
@@ -164,7 +164,7 @@ def test_refine_remasks_stutter_and_rejected_predictions():
 @pytest.mark.parametrize("iterations", [1, 3])
 def test_mask_predict_uses_t_passes(iterations):
     result = _decode(
-        decoding.mask_predict, ORACLE, _calm(3), REFERENCE, num_length_candidates=2,
+        refinement.mask_predict, ORACLE, _calm(3), REFERENCE, num_length_candidates=2,
         length_offsets=(0, 1), iterations=iterations)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.passes, [iterations] * 3)
@@ -174,10 +174,10 @@ def test_mask_predict_uses_t_passes(iterations):
 def test_lowest_ranked_selects_per_row_counts_among_candidates():
     values = jnp.array([[0.5, 0.1, 0.3, 0.1, 0.0], [0.2, 0.9, 0.4, 0.8, 0.1]])
     candidates = jnp.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], bool)
-    chosen = decoding.lowest_ranked(values, candidates, jnp.array([2, 0]))
+    chosen = refinement.lowest_ranked(values, candidates, jnp.array([2, 0]))
     # Ties go to the leftmost; position 4 of row 0 is not a candidate.
     np.testing.assert_array_equal(chosen, [[0, 1, 0, 1, 0], [0, 0, 0, 0, 0]])
-    chosen = decoding.lowest_ranked(values, candidates, jnp.array([9, 3]))
+    chosen = refinement.lowest_ranked(values, candidates, jnp.array([9, 3]))
     np.testing.assert_array_equal(chosen, [[1, 1, 1, 1, 0], [1, 0, 1, 0, 1]])
 
 
@@ -185,7 +185,7 @@ def test_lowest_ranked_selects_per_row_counts_among_candidates():
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_adaptive_unmasks_k_per_pass(criterion, k):
     result = _decode(
-        decoding.adaptive, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+        refinement.adaptive, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
         length_offsets=(0,), tokens_per_step=k, criterion=criterion)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.passes, [math.ceil(n / k) for n in (2, 5, 7)])
@@ -197,31 +197,31 @@ def test_certainty_criteria_disagree_where_they_should():
     probs[0, 1, [7, 8, 9]] = [0.40, 0.05, 0.05]  # top 0.40, margin 0.35
     probs[0, 0, EOS_ID] = probs[0, 1, EOS_ID] = 0.5  # mass on EOS is ignored
     log_probs = jnp.log(jnp.asarray(probs, jnp.float32))
-    np.testing.assert_allclose(decoding.certainty(log_probs, "top_prob"), [[0.5, 0.4]], atol=1e-5)
-    np.testing.assert_allclose(decoding.certainty(log_probs, "margin"), [[0.05, 0.35]], atol=1e-5)
+    np.testing.assert_allclose(refinement.certainty(log_probs, "top_prob"), [[0.5, 0.4]], atol=1e-5)
+    np.testing.assert_allclose(refinement.certainty(log_probs, "margin"), [[0.05, 0.35]], atol=1e-5)
     with pytest.raises(ValueError, match="criterion"):
-        decoding.certainty(log_probs, "entropy")
+        refinement.certainty(log_probs, "entropy")
 
 
 def test_refine_traces_once_per_shape_and_settings():
     def run(source):
         # A fresh but equal model object each time: static arguments hash by value.
         return _decode(
-            decoding.refine, CopyOracle(), _calm(3), source, num_length_candidates=1,
+            refinement.refine, CopyOracle(), _calm(3), source, num_length_candidates=1,
             length_offsets=(0, 1), max_iterations=3)
 
     run(REFERENCE)
-    before = decoding.refine._cache_size()
+    before = refinement.refine._cache_size()
     np.testing.assert_array_equal(run(REFERENCE[::-1]).tokens, REFERENCE[::-1])
-    assert decoding.refine._cache_size() == before
+    assert refinement.refine._cache_size() == before
 
 
 def test_arguments_are_validated():
     with pytest.raises(ValueError, match="rng"):
-        _decode(decoding.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
+        _decode(refinement.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
                 length_offsets=(0,), max_iterations=2, init="random")
     with pytest.raises(ValueError, match="num_length_candidates"):
-        decoding.predict_candidates(ORACLE, _calm(3), REFERENCE, num_length_candidates=8,
+        refinement.predict_candidates(ORACLE, _calm(3), REFERENCE, num_length_candidates=8,
                                     length_offsets=(0,))
 
 
@@ -236,23 +236,23 @@ def trained():
     @jax.jit
     def candidates(params, source):
         length_logits = model.length_logits(params, model.encode(params, source)[0])
-        return decoding.candidate_lengths(length_logits, 2, (-1, 0, 1), MAX_LEN)
+        return refinement.candidate_lengths(length_logits, 2, (-1, 0, 1), MAX_LEN)
 
     return model, params, np.asarray(candidates(params, BATCH["source"]))
 
 
 DECODERS = {
     "refine_mask": lambda m, p, s: _decode(
-        decoding.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        refinement.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         max_iterations=4),
     "refine_random": lambda m, p, s: _decode(
-        decoding.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        refinement.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         max_iterations=4, init="random", rng=jax.random.key(3)),
     "mask_predict": lambda m, p, s: _decode(
-        decoding.mask_predict, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        refinement.mask_predict, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         iterations=3),
     "adaptive": lambda m, p, s: _decode(
-        decoding.adaptive, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
+        refinement.adaptive, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         tokens_per_step=2, criterion="margin"),
 }
 
@@ -275,9 +275,9 @@ def test_decoders_on_a_trained_model_emit_valid_sequences(trained, name):
 def test_predict_refined_is_the_test_decoding_with_one_length_candidate(trained):
     """What the student's dev BLEU reads during training equals PaDIR-4 at one candidate."""
     model, params, _ = trained
-    dev = jax.jit(functools.partial(decoding.predict_refined, model, max_iterations=4))(
+    dev = jax.jit(functools.partial(refinement.predict_refined, model, max_iterations=4))(
         params, BATCH)
-    result = _decode(decoding.refine, model, params, BATCH["source"], num_length_candidates=1,
+    result = _decode(refinement.refine, model, params, BATCH["source"], num_length_candidates=1,
                      length_offsets=(0,), max_iterations=4, width=BATCH["target"].shape[1])
     np.testing.assert_array_equal(dev, result.tokens)
     np.testing.assert_array_equal(dev, BATCH["target"])  # the memorised pairs
@@ -298,15 +298,15 @@ def _wide_rows(*lengths):
 
 
 def test_output_width_is_the_longest_candidate_on_a_ladder_of_8():
-    assert decoding.output_width(np.array([[3, 4], [9, 2]]), 64) == 16
-    assert decoding.output_width(np.array([[8]]), 64) == 8
-    assert decoding.output_width(np.array([[17]]), 20) == 20  # never past the cap
+    assert refinement.output_width(np.array([[3, 4], [9, 2]]), 64) == 16
+    assert refinement.output_width(np.array([[8]]), 64) == 8
+    assert refinement.output_width(np.array([[17]]), 20) == 20  # never past the cap
 
 
 ALL_DECODERS = {
-    "refine": (decoding.refine, dict(max_iterations=3)),
-    "mask_predict": (decoding.mask_predict, dict(iterations=2)),
-    "adaptive": (decoding.adaptive, dict(tokens_per_step=2, criterion="margin")),
+    "refine": (refinement.refine, dict(max_iterations=3)),
+    "mask_predict": (refinement.mask_predict, dict(iterations=2)),
+    "adaptive": (refinement.adaptive, dict(tokens_per_step=2, criterion="margin")),
 }
 
 
@@ -330,23 +330,23 @@ def test_width_from_lengths_decodes_the_tokens_of_max_width(name):
 def test_each_width_compiles_once():
     model = CopyOracle(config=WIDE)
     params = _calm(2)
-    run = functools.partial(_decode, decoding.refine, model, params, num_length_candidates=1,
+    run = functools.partial(_decode, refinement.refine, model, params, num_length_candidates=1,
                             length_offsets=(0,), max_iterations=2)
     run(_wide_rows(3, 5))  # width 8
-    before = decoding.refine._cache_size()
+    before = refinement.refine._cache_size()
     for lengths, width in (((3, 12), 16), ((20, 2), 24), ((4, 7), 8), ((9, 16), 16)):
         source = _wide_rows(*lengths)
         result = run(source)
         assert result.tokens.shape[1] == width
         np.testing.assert_array_equal(result.tokens, source[:, :width])
-    assert decoding.refine._cache_size() - before == 2  # widths 16 and 24, once each
+    assert refinement.refine._cache_size() - before == 2  # widths 16 and 24, once each
 
 
 def test_read_logits_gives_the_tokens_and_scores_of_a_full_log_softmax():
     logits = jax.random.normal(jax.random.key(0), (3, 5, VOCAB)) * 3.0
     logits = logits.at[0, 0, EOS_ID].set(20.0).at[0, 1, 2].set(20.0)  # EOS, UNK win
     logits = logits.at[1, 0, [EOS_ID, 9]].set(15.0)  # a tie: the lower id wins
-    reading = decoding.read_logits(logits)
+    reading = refinement.read_logits(logits)
     log_probs = jax.nn.log_softmax(mask_non_target_ids(logits), axis=-1)
     np.testing.assert_array_equal(reading.prediction, jnp.argmax(log_probs, axis=-1))
     assert int(reading.prediction[0, 0]) == EOS_ID and int(reading.prediction[1, 0]) == EOS_ID
@@ -387,9 +387,9 @@ def test_a_pass_recomputes_nothing_that_is_fixed_across_passes(trained):
     """Cross-attention keys/values and the positional attention weights depend on the
     encoder output and the (fixed) lengths only: XLA hoists them out of the loop."""
     model, params, _ = trained
-    candidates = decoding.predict_candidates(
+    candidates = refinement.predict_candidates(
         model, params, BATCH["source"], num_length_candidates=1, length_offsets=(0,))
-    compiled = decoding.refine.lower(
+    compiled = refinement.refine.lower(
         model, params, candidates, width=MAX_LEN, max_iterations=2).compile().as_text()
     # Per layer: self-attention q, k, v, scores, mix, out (6); positional attention v, mix,
     # out (3); cross-attention q, scores, mix, out (4); MLP (2). Then the output projection.
@@ -405,8 +405,8 @@ def test_read_logits_over_a_shortlist_reads_the_full_logits_restricted_to_it():
     logits = jax.random.normal(jax.random.key(1), (3, 5, VOCAB)) * 3.0
     vocab_ids = jnp.asarray(np.union1d(np.arange(NUM_RESERVED), [7, 11, 12, 30]), jnp.int32)
     outside = jnp.ones(VOCAB, bool).at[vocab_ids].set(False)
-    restricted = decoding.read_logits(jnp.where(outside, -1e9, logits))
-    reading = decoding.read_logits(logits[..., vocab_ids], vocab_ids)
+    restricted = refinement.read_logits(jnp.where(outside, -1e9, logits))
+    reading = refinement.read_logits(logits[..., vocab_ids], vocab_ids)
     for field in ("prediction", "best_real"):
         np.testing.assert_array_equal(getattr(reading, field), getattr(restricted, field))
     assert set(np.unique(reading.best_real)) <= {7, 11, 12, 30}
@@ -437,7 +437,7 @@ def test_a_shortlist_holding_the_answer_decodes_the_tokens_of_all_ids(name):
 def test_a_trained_model_decodes_only_shortlisted_ids(trained):
     model, params, _ = trained
     every = jnp.arange(VOCAB, dtype=jnp.int32)
-    run = functools.partial(_decode, decoding.refine, model, params, BATCH["source"],
+    run = functools.partial(_decode, refinement.refine, model, params, BATCH["source"],
                             num_length_candidates=1, length_offsets=(0,), max_iterations=4)
     full, same = run(), run(vocab_ids=every)  # the real output layer, over a shortlist
     np.testing.assert_array_equal(same.tokens, full.tokens)

@@ -1,4 +1,4 @@
-"""flows/pipeline.py: the Prefect flow over the stage DAG, its caching, failures and retries.
+"""flows/flow.py: the Prefect flow over the stage DAG, its caching, failures and retries.
 
 One end-to-end test runs the real stages on tiny data through Prefect. The other scenarios
 swap `flows.stages.run_stage` (what both the CLI and the flow call) for a fake that writes a manifest-only artifact: they test the
@@ -14,7 +14,7 @@ import pytest
 
 from components import artifacts, dag
 from components import config as config_lib
-from flows import cli, pipeline, plan
+from flows import cli, flow, plan
 from flows import stages as stages_lib
 from tiny_experiment import tiny_config
 
@@ -64,7 +64,7 @@ def fake(monkeypatch):
     stages = FakeStages()
     monkeypatch.setattr(stages_lib, "run_stage", stages)
     monkeypatch.setattr(pipeline, "stage_task",
-                        pipeline.stage_task.with_options(retry_delay_seconds=0))
+                        flow.stage_task.with_options(retry_delay_seconds=0))
     return stages
 
 
@@ -79,7 +79,7 @@ def fake_config(tmp_path) -> str:
 
 def run_flow(config_path, overrides=(), **selection):
     """The flow's final state (the flow is not raised through, so tests can inspect it)."""
-    return pipeline.padir_pipeline(config_path, list(overrides), return_state=True,
+    return flow.padir_pipeline(config_path, list(overrides), return_state=True,
                                    **selection)
 
 
@@ -161,7 +161,7 @@ def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
         assert os.path.isfile(os.path.join(config.workdir, ".prefect", "results",
                                            f"{stage}-{artifact.key}"))
     assert set(task_states(state, len(order)).values()) == {"Completed"}
-    assert artifact_keys(state) >= {pipeline.artifact_key(stage) for stage in order}
+    assert artifact_keys(state) >= {flow.artifact_key(stage) for stage in order}
 
     ran.clear()
     again = run_flow(str(config_path))
@@ -206,7 +206,7 @@ def test_a_failing_stage_fails_the_flow_by_name_and_a_rerun_continues_from_it(fa
     state = run_flow(fake_config)
     assert state.is_failed()
     assert f"stage '{failing}' failed: ValueError: shard 3 is corrupt" in state.message
-    with pytest.raises(pipeline.StageFailed, match=f"stage '{failing}'"):
+    with pytest.raises(flow.StageFailed, match=f"stage '{failing}'"):
         state.result()
     order = order_of(fake_config)
     before = order[:order.index(failing)]
@@ -233,8 +233,8 @@ def test_transient_io_errors_are_retried_and_others_are_not(fake, fake_config):
     fake.errors["vocab"] = [config_lib.ConfigError("vocab.size: too small")]
     state = run_flow(fake_config, force=["vocab"])
     assert state.is_failed() and fake.calls.count("vocab") == 1
-    assert pipeline.is_transient(TimeoutError()) and pipeline.is_transient(OSError(5, "EIO"))
-    assert not pipeline.is_transient(artifacts.IncompleteArtifactError("no manifest"))
+    assert flow.is_transient(TimeoutError()) and flow.is_transient(OSError(5, "EIO"))
+    assert not flow.is_transient(artifacts.IncompleteArtifactError("no manifest"))
 
 
 def test_a_complete_artifact_built_outside_prefect_is_adopted_not_recomputed(fake,
@@ -257,7 +257,7 @@ def test_a_remote_workdir_keeps_its_cache_records_next_to_its_artifacts(fake, tm
                     "data: {source_lang: en, target_lang: de,\n"
                     "       train: {source: unused.en, target: unused.de}}\n")
     assert run_flow(str(path)).is_completed()
-    fs, records = artifacts.filesystem(artifacts.join(workdir, *pipeline.RESULTS_DIR))
+    fs, records = artifacts.filesystem(artifacts.join(workdir, *flow.RESULTS_DIR))
     assert len(fs.ls(records)) == len(dag.STAGES)
     fake.calls.clear()
     again = run_flow(str(path))
@@ -280,7 +280,7 @@ def test_manifests_and_the_report_become_prefect_artifacts(fake, fake_config):
 
     state = run_flow(fake_config)
     keys = artifact_keys(state)
-    assert {pipeline.artifact_key(stage) for stage in dag.STAGES} | {"padir-report"} <= keys
+    assert {flow.artifact_key(stage) for stage in dag.STAGES} | {"padir-report"} <= keys
     with _client() as client:
         (table,) = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["padir-vocab"])),

@@ -1,4 +1,4 @@
-"""model/stages.py and the `padir stage` entry point: every stage up to `train` on tiny data.
+"""pipelines/training.py and the `padir stage` entry point: every stage up to `train` on tiny data.
 
 One smoke test runs the real entry points in order on 200 Multi30k pairs with tiny models,
 and checks each artifact and the metrics the manifests promise. The student trains on the
@@ -17,7 +17,8 @@ import pytest
 from components import artifacts, dag
 from components import config as config_lib
 from flows.stages import run_stage
-from model import stages
+from pipelines import teacher as teacher_stage
+from pipelines import training
 from tiny_experiment import ensure, tiny_config
 
 
@@ -54,12 +55,12 @@ def test_every_stage_runs_in_order_and_publishes(config, caplog):
 def _check_the_final_greedy_bleu_is_the_decoded_one(config, teacher):
     """The published greedy BLEU is the last evaluation's (the best step of a 3-step run):
     exactly what decoding the published checkpoint again scores."""
-    tokenizer = stages.load_tokenizer(config)
+    tokenizer = training.load_tokenizer(config)
     never_evaluated = types.SimpleNamespace(state=types.SimpleNamespace(step=-1),
                                             dev_metrics=None)
-    decoded = stages._final_dev_bleu(
-        stages.teacher_model(config, tokenizer), teacher.path("checkpoints"),
-        config.teacher.loop.best_metric, stages.training_data(config, "teacher", tokenizer),
+    decoded = teacher_stage.final_dev_bleu(
+        training.teacher_model(config, tokenizer), teacher.path("checkpoints"),
+        config.teacher.loop.best_metric, training.training_data(config, "teacher", tokenizer),
         never_evaluated)
     assert teacher.manifest["metrics"]["dev_final"] == decoded
 

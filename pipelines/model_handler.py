@@ -8,15 +8,15 @@
 
 Examples are source sentences (text); each PredictionResult carries the source as
 `example`, the artifact URI as `model_id`, and as `inference` the record of
-`model.inference.Translation`: `hypothesis`, `tokens`, `score` (the beam's length-penalised
+`model.translator.Translation`: `hypothesis`, `tokens`, `score` (the beam's length-penalised
 log-probability for `ar_beam`, the mean token log-probability for the NAR kinds, None for
 greedy), `passes`, `source_tokens`, `truncated`, `latency_s`, `batch_seconds`,
-`batch_size`. Shapes, timing and the definitions: model/inference.py.
+`batch_size`. Shapes, timing and the definitions: model/translator.py.
 
 Loading. `load_model` runs once per RunInference transform and worker process (Beam's
 `shared.Shared` in the RunInference DoFn; the model is not shared across processes, since
 JAX owns a process's devices). The checkpoint itself is restored once per process and
-artifact however many transforms decode with it (`model.inference.load_cached`), and each
+artifact however many transforms decode with it (`model.translator.load_cached`), and each
 load builds the method's jitted decoder, which compiles once per batch shape it meets.
 JAX is imported by `load_model`, in the worker, never when the pipeline is constructed.
 
@@ -58,7 +58,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
       method: the decoding method.
       batch_size: sentences per decoder call (and per RunInference batch).
       boundaries: the length buckets; default: those of the artifact's config.
-      seed: the key of `init="random"` (model/inference.py).
+      seed: the key of `init="random"` (model/translator.py).
       expected_sentences: how many sentences the job translates in all, for the ETA in the
         progress log (None: rate only).
     """
@@ -79,11 +79,11 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
 
     def load_model(self):
         """The checkpoint (restored once per process) and the method's jitted decoder."""
-        from model import inference  # JAX starts here, in the worker
+        from model import translator  # JAX starts here, in the worker
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
-        return inference.Translator(
-            inference.load_cached(self._artifact_uri), self._method,
+        return translator.Translator(
+            translator.load_cached(self._artifact_uri), self._method,
             batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed)
 
     def run_inference(self, batch: Sequence[str], model: Any,
