@@ -27,7 +27,7 @@ def pipeline_rss_mib(size: int, shuffle: bool, mode: str) -> tuple[int, int]:
     """Runs the pipeline from this process; returns the peak RSS in MiB of this process
     and of its largest worker process (0 in the default mode, which has none)."""
     import apache_beam as beam
-    from apache_runner.options.pipeline_options import PipelineOptions
+    from apache_beam.options.pipeline_options import PipelineOptions
 
     options = PipelineOptions(["--runner=FnApiRunner", *MODES[mode]])
     with beam.Pipeline(options=options) as pipeline:

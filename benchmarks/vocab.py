@@ -28,7 +28,7 @@ import unicodedata
 import zipfile
 
 import apache_beam as beam
-from apache_runner.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import PipelineOptions
 import sentencepiece as spm
 
 from components import config as config_lib

@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from apache_runner.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import PipelineOptions
 
 from components import artifacts, corpus, logs
 from components import config as config_lib

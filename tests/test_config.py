@@ -213,13 +213,13 @@ def test_dropout_rate_outside_0_1_is_rejected(tmp_path, rate):
 def test_section_hash_is_stable_and_changes_only_for_the_changed_section(tmp_path):
     config = _load(tmp_path)
     again = _load(tmp_path)
-    sections = ("data", "prepare", "vocab", "beam")
+    sections = ("data", "prepare", "vocab", "runner")
     assert {s: config.section_hash(s) for s in sections} == {
         s: again.section_hash(s) for s in sections}
     changed = _load(tmp_path, overrides=["prepare.max_chars=77"])
     assert changed.section_hash("prepare") != config.section_hash("prepare")
-    assert {s: changed.section_hash(s) for s in ("data", "vocab", "beam")} == {
-        s: config.section_hash(s) for s in ("data", "vocab", "beam")}
+    assert {s: changed.section_hash(s) for s in ("data", "vocab", "runner")} == {
+        s: config.section_hash(s) for s in ("data", "vocab", "runner")}
     # Artifact keys: the changed stage and its dependents change, upstream does not.
     assert dag.stage_key(changed, "prepare") != dag.stage_key(config, "prepare")
     assert dag.stage_key(changed, "vocab") != dag.stage_key(config, "vocab")

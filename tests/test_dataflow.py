@@ -27,7 +27,7 @@ import pytest
 import sentencepiece as spm
 from apache_beam.internal import pickler
 from apache_beam.ml.inference.base import _RunInferenceDoFn
-from apache_runner.options.pipeline_options import GoogleCloudOptions, WorkerOptions
+from apache_beam.options.pipeline_options import GoogleCloudOptions, WorkerOptions
 from apache_beam.runners.dataflow.dataflow_runner import DataflowRunner
 
 from components import artifacts, corpus
