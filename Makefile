@@ -2,7 +2,6 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
-export PADIR_DATA_ROOT ?= $(abspath ../shared/data)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: install demo test benchmarks clean

@@ -15,14 +15,14 @@ import sys
 import typing
 from typing import Any, BinaryIO, Literal, Sequence, TextIO
 
-from components import artifacts, corpus, dag, logs
+from components import artifacts, corpus, dag, datasets, logs
 from components import config as config_lib
 from components.corpus import CorpusError
 from flows import local_api, stages
 
 # Errors that mean "the input is wrong", reported as one line rather than a traceback.
-USER_ERRORS = (config_lib.ConfigError, CorpusError, artifacts.IncompleteArtifactError,
-               artifacts.LeaseHeldError)
+USER_ERRORS = (config_lib.ConfigError, CorpusError, datasets.FetchError,
+               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +78,14 @@ def _add_pipeline_commands(commands) -> None:
     serve.add_argument("--name", help="deployment name (default: the config file's name)")
     report = commands.add_parser("report", help="print the path and markdown of the report")
     _add_config_args(report)
+    data = commands.add_parser("data", help="the public corpora a config reads (docs/data.md)")
+    fetch = data.add_subparsers(dest="action", required=True).add_parser(
+        "fetch", help="download the files a config reads under ${PADIR_DATA_ROOT}, checked "
+                      "against their pinned sha256, and print their paths")
+    _add_config_args(fetch)
+    fetch.add_argument("--root", metavar="DIR",
+                       help="local directory to fetch into, laid out like PADIR_DATA_ROOT "
+                            "(default: PADIR_DATA_ROOT, else the cache ~/.cache/padir/data)")
 
 
 def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
@@ -182,8 +190,23 @@ def _print_report(args: argparse.Namespace, config: config_lib.Config) -> int:
     return 0
 
 
+def _fetch_data(args: argparse.Namespace, config: config_lib.Config) -> int:
+    root = args.root or os.environ[datasets.ROOT_VARIABLE]
+    if "://" in root:
+        raise datasets.FetchError(f"padir data fetch writes to a local directory, not {root}: "
+                                  "give --root DIR, then copy DIR there")
+    for path in datasets.fetch_all(datasets.required(config.data), root):
+        print(path)
+    return 0
+
+
 PIPELINE_COMMANDS = {"run": _run_pipeline, "status": _print_status, "serve": _serve,
-                     "report": _print_report, "gc": _collect_garbage}
+                     "report": _print_report, "gc": _collect_garbage, "data": _fetch_data}
+
+
+def _reads_corpora(args: argparse.Namespace) -> bool:
+    """Whether the command may run the prepare stage, the one that reads the raw corpora."""
+    return args.command in ("run", "serve") or (args.command == "stage" and args.name == "prepare")
 
 
 # --- `padir translate`: stdin -> stdout with a published checkpoint -------------------------
@@ -371,6 +394,7 @@ def use_compilation_cache(environ: typing.MutableMapping[str, str] = os.environ)
 
 def main(argv: Sequence[str] | None = None) -> int:
     use_compilation_cache()
+    data_cache = datasets.use_cache()  # None: PADIR_DATA_ROOT is the user's, read as it is
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logs.configure(logging.DEBUG if args.debug else logging.INFO)
@@ -380,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             return _translate(args) if args.command == "translate" else _theory(args)
         config = config_lib.load(args.config, args.set)
+        if data_cache and _reads_corpora(args):  # before any stage starts
+            datasets.fetch_all(datasets.required(config.data), data_cache)
         if args.command == "stage":
             artifact = stages.run_stage(args.name, config, beam_args=extra)
             print(f"{args.name}: {artifact.uri}")
