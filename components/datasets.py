@@ -25,9 +25,9 @@ import hashlib
 import http.client
 import logging
 import os
-import tempfile
 import urllib.error
 import urllib.request
+import uuid
 from typing import Iterable, MutableMapping, Optional
 
 from components.config import DataConfig
@@ -133,16 +133,19 @@ def fetch(name: str, root: str, *, base_url: Optional[str] = None) -> str:
         return path
     pinned = FILES[name]
     url = f"{base_url.rstrip('/')}/{name}" if base_url else pinned.url
+    # Beside its place (one file system, so the rename is atomic), named by no other fetch;
+    # opened with `open`, not mkstemp, so that it gets the umask's mode rather than 0600.
+    partial = os.path.join(os.path.dirname(path),
+                           f".{os.path.basename(path)}.{uuid.uuid4().hex}.part")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=os.path.dirname(path),
-                                       prefix=f".{os.path.basename(path)}.", suffix=".part")
+        out = open(partial, "xb")
     except OSError as e:
         raise FetchError(f"cannot write into {root}: {e.strerror or e}; set XDG_CACHE_HOME to "
                          f"a writable directory, or {ADVICE}") from e
     log.info("fetching %s into %s", url, root)
     try:
-        with os.fdopen(fd, "wb") as out:
+        with out:
             sha256 = _download(url, out)
         if sha256 != pinned.sha256:
             raise FetchError(f"{url}: sha256 {sha256} is not the pinned {pinned.sha256} (the "
