@@ -451,6 +451,8 @@ DECODERS: dict[str, Decoder] = {
                                         "shortlist")),
     "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
                                     "length_offsets", "shortlist")),
+    "ct2_greedy": Decoder("teacher", ("compute_type",)),
+    "ct2_beam": Decoder("teacher", ("beam_size", "length_penalty", "compute_type")),
 }
 DECODE_KINDS = tuple(DECODERS)
 
@@ -471,6 +473,10 @@ class DecodeMethod:
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
       adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
                     num_length_candidates x length_offsets
+      ct2_greedy    the teacher exported to CTranslate2 (the CPU serving baseline),
+                    greedy; compute_type float32 or int8 (model/ctranslate2_search.py)
+      ct2_beam      the same, beam search: beam_size, length_penalty (CTranslate2's:
+                    log-probability / length ** length_penalty, not GNMT's), compute_type
 
     Every kind reads `shortlist`: score only the target pieces a batch's sources can need
     (model/shortlist.py, built from the model's own training pairs) instead of all V.
@@ -489,6 +495,7 @@ class DecodeMethod:
     tokens_per_step: int = 2
     criterion: Literal["top_prob", "margin"] = "margin"
     shortlist: bool = False
+    compute_type: Literal["float32", "int8"] = "float32"
 
     def __post_init__(self):
         where = f"decode method {self.name!r}"
@@ -531,6 +538,10 @@ DEFAULT_DECODE_METHODS: tuple[DecodeMethod, ...] = (
     DecodeMethod("mask_predict_4", "mask_predict", iterations=4),
     DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
     DecodeMethod("adaptive_margin", "adaptive", criterion="margin"),
+    DecodeMethod("ct2_greedy", "ct2_greedy"),
+    DecodeMethod("ct2_beam4", "ct2_beam", beam_size=4),
+    DecodeMethod("ct2_greedy_int8", "ct2_greedy", compute_type="int8"),
+    DecodeMethod("ct2_beam4_int8", "ct2_beam", beam_size=4, compute_type="int8"),
 )
 
 

@@ -17,10 +17,13 @@ sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only t
 with published figures that use it), stutter (components/metrics.py), latency per sentence
 at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences
 and tokens per second of decode time), mean decoder passes, and speedups over the AR
-baselines: the first method of kind `ar_greedy` and the first of kind `ar_beam`. A latency
+baselines: the first method of each kind of `BASELINE_KINDS` (our JAX search, `ar_greedy`
+and `ar_beam`, and the teacher served by CTranslate2, `ct2_greedy` and `ct2_beam`). A latency
 speedup is baseline latency / method latency per statistic (> 1: faster); a throughput
 speedup is method sentences/s / baseline sentences/s. Both were measured in one decode job,
-one decode at a time, on the same machine.
+one decode at a time, on the same machine. The markdown then says in words, per PaDIR
+method and baseline, in which regime (batch 1 median and p99, batched throughput) PaDIR is
+faster and in which it is not, with its BLEU against the baseline's.
 
 Plots (matplotlib, Agg backend, imported on use): BLEU against median latency per method,
 stutter per method, and latency against source length; one of each per test set.
@@ -37,7 +40,8 @@ from typing import Any, Mapping, Optional, Sequence
 from components import artifacts, metrics
 from components.config import DECODERS, DecodeMethod
 
-BASELINE_KINDS = ("ar_greedy", "ar_beam")
+BASELINE_KINDS = ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam")
+REGIMES = (("median", "batch 1 median"), ("p99", "batch 1 p99"), ("throughput", "batched"))
 PLOTS = ("bleu_vs_latency", "stutter", "latency_vs_length")
 
 
@@ -91,6 +95,8 @@ def describe_setting(method: DecodeMethod) -> str:
         elif option == "init":
             if value != "mask":
                 words.append(f"init {value}")
+        elif option == "compute_type":
+            words.append(f"CTranslate2 {value}")
         elif option != "shortlist":
             words.append(f"{option.replace('_', ' ')} {value}")
     words = words or [method.kind.replace("ar_", "")]
@@ -280,6 +286,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                                      for stat in ("median", "p99", "throughput")]
                     for m in methods]
             lines += _table(header, rows)
+            lines += _verdict_lines(entry)
         if methods and methods[0]["truncated"]:  # a property of the sources: same for all
             lines += ["", f"{methods[0]['truncated']} of {sentences} sources were longer than "
                           "the widest length bucket and were cut to it."]
@@ -292,6 +299,28 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                   "it differs from theirs).", ""]
         lines += [f"![{plot}](plots/{test_set}/{plot}.png)" for plot in PLOTS] + [""]
     return "\n".join(lines)
+
+
+def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
+    """Per PaDIR method (kind `padir`) and baseline: the regimes where it is faster, those
+    where it is not, and its BLEU against the baseline's."""
+    bleu = {m["method"]: m["bleu"]["score"] for m in entry["methods"]}
+    lines = []
+    for m in entry["methods"]:
+        if m["kind"] != "padir":
+            continue
+        for name in entry["baselines"].values():
+            ratios = m["speedup"][f"vs_{name}"]
+            measured = [(words, ratios[stat]) for stat, words in REGIMES
+                        if ratios[stat] is not None]
+            wins = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio > 1]
+            losses = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio <= 1]
+            lines.append(f"- {m['method']} against {name}: faster at "
+                         f"{', '.join(wins) or 'none'}; not faster at "
+                         f"{', '.join(losses) or 'none'}; BLEU "
+                         f"{bleu[m['method']] - bleu[name]:+.2f}.")
+    return ["", "Where PaDIR wins (speedup > 1x) and where it does not:", ""] + lines \
+        if lines else []
 
 
 def _training_lines(training: Mapping[str, Any]) -> list[str]:

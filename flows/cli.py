@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("name", choices=dag.STAGES)
     _add_config_args(stage)
     _add_translate_command(commands)
+    _add_export_command(commands)
     _add_pipeline_commands(commands)
     _add_theory_command(commands)
     return parser
@@ -286,6 +287,43 @@ def _translate(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size).exit_status
 
 
+# --- `padir export`: the teacher as a CTranslate2 model ---------------------------------------
+
+
+def _add_export_command(commands) -> None:
+    export = commands.add_parser(
+        "export", help="write a teacher artifact as a CTranslate2 model (CPU serving)",
+        description="Writes the AR teacher of a published teacher artifact as a CTranslate2 "
+                    "model directory (model.bin, config.json, shared_vocabulary.json) with "
+                    "its SentencePiece model (spm.model); model/ctranslate2_export.py says "
+                    "how the network maps. Sources are SentencePiece pieces followed by "
+                    "'</s>'; decode with beam_size, max_decoding_length and "
+                    "suppress_sequences as model/ctranslate2_search.py does.")
+    export.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a published teacher artifact, e.g. work/multi30k_en_de/teacher/<key>")
+    export.add_argument("--output", required=True, metavar="DIR",
+                        help="the model directory to write (replaced if it exists)")
+    export.add_argument("--quantization", choices=("int8", "int16", "float16", "bfloat16"),
+                        help="weights on disk (default float32; CTranslate2 can also "
+                             "quantise when it loads: compute_type)")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from model import ctranslate2_export, ctranslate2_search, translator  # JAX: only here
+
+    checkpoint = absolute(args.checkpoint)
+    if artifacts.read(checkpoint).stage != "teacher":
+        raise config_lib.ConfigError(f"{args.checkpoint} is not a teacher artifact: only the "
+                                     "AR teacher exports to CTranslate2")
+    loaded = translator.load(checkpoint)
+    ctranslate2_export.export(loaded.model.config, loaded.params,
+                              ctranslate2_search.pieces(loaded), absolute(args.output),
+                              quantization=args.quantization,
+                              spm_model=loaded.tokenizer.model_bytes)
+    print(absolute(args.output))
+    return 0
+
+
 @dataclasses.dataclass
 class TranslateCounts:
     """What `translate_stream` read and reported (the summary line on stderr)."""
@@ -392,6 +430,10 @@ def use_compilation_cache(environ: typing.MutableMapping[str, str] = os.environ)
     return environ["JAX_COMPILATION_CACHE_DIR"]
 
 
+# Commands that take no config.
+ARTIFACT_COMMANDS = {"translate": _translate, "theory": _theory, "export": _export}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     use_compilation_cache()
     data_cache = datasets.use_cache()  # None: PADIR_DATA_ROOT is the user's, read as it is
@@ -399,10 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     logs.configure(logging.DEBUG if args.debug else logging.INFO)
     try:
-        if args.command in ("translate", "theory"):
+        if args.command in ARTIFACT_COMMANDS:
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
-            return _translate(args) if args.command == "translate" else _theory(args)
+            return ARTIFACT_COMMANDS[args.command](args)
         config = config_lib.load(args.config, args.set)
         if data_cache and _reads_corpora(args):  # before any stage starts
             datasets.fetch_all(datasets.required(config.data), data_cache)

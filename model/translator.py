@@ -69,7 +69,7 @@ from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from model import checkpoints, refinement, input_pipeline, shortlist, train
+from model import checkpoints, ctranslate2_search, refinement, shortlist, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ def shortlist_table(loaded: LoadedModel) -> shortlist.Shortlist:
         if loaded.uri not in _SHORTLISTS:
             inputs = artifacts.read(loaded.uri).manifest["inputs"]
             [data] = [uri for name, uri in inputs.items() if name in TRAINING_DATA]
+            from model import input_pipeline  # TensorFlow: only where a shortlist is built
+
             pairs = input_pipeline.read_pairs(input_pipeline.split_files(data, "train"))
             _SHORTLISTS[loaded.uri] = shortlist.build(pairs, loaded.tokenizer.vocab_size)
             log.info("shortlist table of %s built from %s", loaded.uri, data)
@@ -301,6 +303,8 @@ class Translator:
                              f"max_source_len/max_target_len")
         self._rng = jax.random.key(seed)
         self._shortlist = shortlist_table(loaded) if method.shortlist else None
+        self._ctranslate2 = (ctranslate2_search.Search(loaded, method)
+                             if method.kind in ctranslate2_search.KINDS else None)
         self._warm: set[tuple[int, int, int, int]] = set()  # (S, cap, width, columns) compiled
         trace_key = (loaded.uri, method.name, batch_size)
 
@@ -336,6 +340,8 @@ class Translator:
         for i in range(self.batch_size):
             row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence
             source[i, :len(row)] = row
+        if self._ctranslate2 is not None:  # no static shapes: no filler rows
+            source = source[:len(rows)]
         timed = self._call(source, max_len)
         shape = (source_width, max_len) + timed[-2:]
         if shape not in self._warm:  # it compiled: run again
@@ -366,7 +372,10 @@ class Translator:
     def _call(self, source: np.ndarray, max_len: int
               ) -> tuple[dict[str, jax.Array], float, float, float, int, int]:
         """Both calls, timed: (output, seconds, encode seconds, search seconds, width,
-        columns scored). The shortlist is selected on the host, timed with the width."""
+        columns scored). The shortlist is selected on the host, timed with the width.
+        The CTranslate2 kinds time their own call (model/ctranslate2_search.py)."""
+        if self._ctranslate2 is not None:
+            return self._ctranslate2(source, max_len)
         started = time.perf_counter()
         encoded = jax.block_until_ready(
             self._jit_encode(self.loaded.params, source, max_len=max_len))

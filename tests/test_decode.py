@@ -29,7 +29,7 @@ from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import translator, shortlist
+from model import ctranslate2_search, translator, shortlist
 from pipelines import decode
 from pipelines import model_handler
 from tiny_experiment import ensure, publish_untrained, tiny_config
@@ -40,6 +40,8 @@ METHODS = [  # every kind, each as cheap as it gets
     {"name": "padir_2", "kind": "padir", "iterations": 2},
     {"name": "mp_2", "kind": "mask_predict", "iterations": 2},
     {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
+    {"name": "ct2", "kind": "ct2_greedy"},
+    {"name": "ct2_beam2", "kind": "ct2_beam", "beam_size": 2, "compute_type": "int8"},
 ]
 MAX_SENTENCES = 6
 LATENCY_SENTENCES = 4  # the batch-1 pass times the first 4 of the 6
@@ -95,7 +97,8 @@ def test_decode_methods_refuse_options_their_kind_does_not_read():
 
 
 def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
-    assert list(translator.SEARCHES) == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
+    kinds = list(translator.SEARCHES) + list(ctranslate2_search.KINDS)  # CTranslate2: no search
+    assert kinds == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
     fields = {field.name for field in config_lib.decode_options()}
     flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
     for kind, decoder in config_lib.DECODERS.items():
@@ -233,7 +236,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
         content = json.load(f)
     entry = content["test_sets"]["test2016"]
     assert [m["method"] for m in entry["methods"]] == [m["name"] for m in METHODS]
-    assert entry["baselines"] == {"ar_greedy": "greedy", "ar_beam": "beam2"}
+    assert entry["baselines"] == {"ar_greedy": "greedy", "ar_beam": "beam2",
+                                  "ct2_greedy": "ct2", "ct2_beam": "ct2_beam2"}
     references = {p["id"]: p["target"]
                   for p in corpus.read_split(_uri(config, "prepare"), "test2016")}
     for method in entry["methods"]:
@@ -251,7 +255,7 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
         assert "tok:13a" in method["bleu"]["signature"]
         assert method["sentences"] == MAX_SENTENCES
         assert method["latency_s"]["count"] == LATENCY_SENTENCES
-        assert set(method["speedup"]) == {"vs_greedy", "vs_beam2"}
+        assert set(method["speedup"]) == {"vs_greedy", "vs_beam2", "vs_ct2", "vs_ct2_beam2"}
         assert method["speedup"]["vs_greedy"]["median"] > 0
     assert list(content["training"]) == ["student", "teacher"]  # the models decoded
     for stage, about in content["training"].items():
@@ -263,6 +267,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     assert "## Models" in markdown and "Warning" not in markdown
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
     assert "| beam2 | ar_beam | beam 2, length penalty 0.6 |" in markdown
+    assert "| ct2_beam2 | ct2_beam | beam 2, length penalty 0.6, CTranslate2 int8 |" in markdown
+    assert "- padir_2 against ct2: faster at " in markdown
     # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
     assert "compare with published figures" in markdown and "Multi30k" not in markdown
     for plot in report.PLOTS:

@@ -1,0 +1,152 @@
+"""The teacher exported to CTranslate2 (model/ctranslate2_export.py) decodes as our JAX
+search does (model/beam_search.py), through the Translator (model/ctranslate2_search.py),
+and `padir export` writes it."""
+
+import functools
+import json
+import os
+import tempfile
+
+import ctranslate2
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tiny_models
+from components.config import DecodeMethod
+from components.tokenizer import RESERVED_PIECES
+from model import ctranslate2_export
+from model.beam_search import length_penalty
+from model.models import ARModel
+from model.transformer import NON_TARGET_IDS, mask_non_target_ids
+from tiny_models import BATCH, CONFIG, MAX_LEN, VOCAB
+
+PIECES = list(RESERVED_PIECES) + [f"p{i}" for i in range(len(RESERVED_PIECES), VOCAB)]
+
+
+@functools.cache
+def teacher():
+    """A tiny AR teacher that has memorised BATCH, and its CTranslate2 export."""
+    model = ARModel(CONFIG, VOCAB, label_smoothing=0.0)
+    params = tiny_models.train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
+    directory = ctranslate2_export.export(CONFIG, params, PIECES, os.path.join(
+        tempfile.mkdtemp(prefix="padir-test-ct2-"), "model"))
+    return model, params, directory
+
+
+def _sources() -> np.ndarray:
+    """BATCH's memorised sources, then 12 it never saw. int32[16, MAX_LEN]."""
+    sources = np.array(tiny_models.pairs(16, seed=3)["source"])
+    sources[:4] = np.asarray(BATCH["source"])
+    return sources
+
+
+def _ct2(directory, sources, *, compute_type="float32", **options) -> list[list[int]]:
+    translator = ctranslate2.Translator(directory, device="cpu", compute_type=compute_type)
+    results = translator.translate_batch(
+        [[PIECES[i] for i in row if i] for row in sources], max_decoding_length=MAX_LEN,
+        min_decoding_length=0, return_end_token=True,
+        suppress_sequences=[[PIECES[i]] for i in NON_TARGET_IDS], **options)
+    return [[PIECES.index(piece) for piece in result.hypotheses[0]] for result in results]
+
+
+def _rows(tokens) -> list[list[int]]:
+    return [[int(i) for i in row if i] for row in np.asarray(tokens)]
+
+
+def _log_prob(model, params, source, hypothesis) -> float:
+    """The teacher's log-probability of `hypothesis` (ids + EOS), non-target ids masked."""
+    target = jnp.asarray([hypothesis + [0] * (MAX_LEN - len(hypothesis))])
+    logits = model.module.apply({"params": params}, jnp.asarray(source[None]), target)
+    log_probs = jax.nn.log_softmax(mask_non_target_ids(logits[0]))
+    return float(sum(log_probs[i, t] for i, t in enumerate(hypothesis)))
+
+
+def test_greedy_is_our_greedy_token_for_token():
+    model, params, directory = teacher()
+    sources = _sources()
+    ours = jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)})
+    assert _ct2(directory, sources, beam_size=1) == _rows(ours)
+
+
+def test_beam_search_is_ours_without_length_penalty_and_differs_only_by_its_normalisation():
+    model, params, directory = teacher()
+    sources = _sources()
+    search = jax.jit(lambda p, b, alpha: model.beam_search(p, b, 4, alpha))
+    plain, _ = search(params, {"source": jnp.asarray(sources)}, 0.0)
+    assert _ct2(directory, sources, beam_size=4, length_penalty=0.0) == _rows(plain)
+    # At 0.6 CTranslate2 ranks finished hypotheses by log p / len ** 0.6, ours by GNMT's
+    # log p / ((5 + len) / 6) ** 0.6: where the two pick differently, each pick is the
+    # better one under its own normalisation.
+    gnmt, _ = search(params, {"source": jnp.asarray(sources)}, 0.6)
+    theirs = _ct2(directory, sources, beam_size=4, length_penalty=0.6)
+    for source, mine, other in zip(sources, _rows(gnmt), theirs):
+        if mine != other:
+            mine_lp, other_lp = (_log_prob(model, params, source, h) for h in (mine, other))
+            assert mine_lp / length_penalty(len(mine), 0.6) >= \
+                other_lp / length_penalty(len(other), 0.6) - 1e-4
+            assert other_lp / len(other) ** 0.6 >= mine_lp / len(mine) ** 0.6 - 1e-4
+
+
+def test_int8_greedy_runs_on_the_same_export():
+    model, params, directory = teacher()
+    sources = _sources()
+    ours = _rows(jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)}))
+    quantised = _ct2(directory, sources, compute_type="int8", beam_size=1)
+    assert all(row[-1] == 1 or len(row) == MAX_LEN for row in quantised)  # EOS or the cap
+    assert sum(a == b for a, b in zip(quantised, ours)) >= len(ours) // 2
+
+
+def test_export_refuses_a_vocabulary_without_our_reserved_pieces(tmp_path):
+    model, params, _ = teacher()
+    with pytest.raises(ValueError, match="reserved"):
+        ctranslate2_export.export(CONFIG, params, ["<unk>"] + PIECES[1:], str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="distinct"):
+        ctranslate2_export.export(CONFIG, params, PIECES[:-1] + ["p6"], str(tmp_path / "m"))
+
+
+# --- through the Translator and `padir export`, on a published (untrained) teacher -----------
+
+
+@pytest.fixture(scope="module")
+def published(tiny_workdir):
+    from tiny_experiment import ensure, publish_untrained, tiny_config
+
+    config = tiny_config(tiny_workdir)
+    ensure(config, "prepare", "vocab")
+    return publish_untrained(config, "teacher")
+
+
+SENTENCES = ["Ein Hund läuft im Park.", "Zwei Männer spielen Fußball auf einer Wiese.",
+             "Eine Frau."]
+
+
+def test_translator_ct2_kinds_give_our_greedy_hypotheses(published):
+    from model import translator
+
+    loaded = translator.load(published.uri)
+    ours = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=2)
+    ct2 = translator.Translator(loaded, DecodeMethod("c", "ct2_greedy"), batch_size=2)
+    expected, got = ours.translate(SENTENCES), ct2.translate(SENTENCES)
+    assert [t.tokens for t in got] == [t.tokens for t in expected]
+    assert [t.passes for t in got] == [len(t.tokens) for t in got]
+    assert all(t.latency_s > 0 and t.encode_seconds == 0 and t.score is None for t in got)
+    assert [t.batch_size for t in got] == [2, 2, 1]  # the last batch has no filler row
+    beam = translator.Translator(loaded, DecodeMethod("b", "ct2_beam", compute_type="int8"),
+                                 batch_size=1).translate(SENTENCES[:1])
+    assert beam[0].score is not None and beam[0].tokens
+
+
+def test_padir_export_writes_a_model_ctranslate2_loads(published, tmp_path, capsys):
+    from flows import cli
+
+    out = tmp_path / "ct2"
+    assert cli.main(["export", "--checkpoint", published.uri, "--output", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert {"model.bin", "config.json", "shared_vocabulary.json",
+            ctranslate2_export.SPM_FILE} <= set(os.listdir(out))
+    with open(out / "config.json") as f:
+        assert json.load(f)["layer_norm_epsilon"] == ctranslate2_export.RMS_NORM_EPSILON
+    ctranslate2.Translator(str(out), device="cpu").translate_batch([["▁Ein", "</s>"]],
+                                                                   max_decoding_length=4)
