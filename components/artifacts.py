@@ -7,7 +7,7 @@ Holding it, the stage writes everything into a temporary sibling directory, whic
 to its final place only when the stage succeeded; the manifest is written last, atomically
 (a temporary name renamed locally, one object write on GCS). Readers accept a directory only
 if its manifest parses, so a crash at any point leaves nothing that a later stage would
-read. Paths may be local or any fsspec URL (`gs://`, `memory://`).
+read. Paths may be local or `gs://` (gcsfs; tested against a GCS emulator, docs/gcs.md).
 
 Example:
     with artifacts.write(workdir, "prepare", key, config=cfg, inputs={}) as out:
@@ -201,6 +201,7 @@ def write(
         yield pending
         return
     with lease(workdir, stage, key):
+        fs.invalidate_cache()  # listings cached before the lease may predate another run's
         fs.makedirs(tmp_path, exist_ok=True)
         started = time.time()
         try:
@@ -359,38 +360,111 @@ def _local_lease(path: str, name: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _remote_lease(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Iterator[None]:
+    """The lease as a GCS object. Every write and delete of it is conditional on the object
+    generation it expects (`ifGenerationMatch`), so that two runs never both hold it: the
+    creation on 0 (absent), the renewal and the release on the holder's own generation, a
+    takeover's delete on the stale generation it read. A renewal that finds another
+    generation (a run took the lease over after ten missed renewals) stops renewing."""
+    lease = _GcsLease(fs, path)
     holder = _holder()
-    try:
-        fs.pipe_file(path, json.dumps(holder).encode(), mode="create")
-    except FileExistsError:
-        previous = _parse_holder(fs.cat_file(path))
-        if time.time() - previous.get("renewed", 0.0) < LEASE_STALE_SECONDS:
-            raise _held_error(name, previous) from None
-        log.warning("%s: taking over the stale lease of %s", name, _describe(previous))
-        fs.rm_file(path)
-        try:
-            fs.pipe_file(path, json.dumps(holder).encode(), mode="create")
-        except FileExistsError:
-            raise _held_error(name, _parse_holder(fs.cat_file(path))) from None
+    if lease.create(holder) is None:
+        previous, stale_generation = lease.read()
+        if previous == holder:  # our own creation, retried after its answer was lost
+            lease.generation = stale_generation
+        elif stale_generation is not None and \
+                time.time() - previous.get("renewed", 0.0) < LEASE_STALE_SECONDS:
+            raise _held_error(name, previous)
+        else:
+            if stale_generation is not None:
+                log.warning("%s: taking over the stale lease of %s", name, _describe(previous))
+                if not lease.delete(stale_generation):
+                    raise _held_error(name, lease.read()[0])
+            if lease.create(holder) is None:
+                raise _held_error(name, lease.read()[0])
     stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(fs, path, holder, stop), daemon=True)
+    renewer = threading.Thread(target=_renew, args=(lease, holder, stop), daemon=True)
     renewer.start()
     try:
         yield
     finally:
         stop.set()
         renewer.join()
-        fs.rm_file(path)
+        if not lease.delete(lease.generation):
+            log.warning("%s: the lease was taken over meanwhile; left to its new holder", name)
 
 
-def _renew(fs: fsspec.AbstractFileSystem, path: str, holder: dict[str, Any],
-           stop: threading.Event) -> None:
+class _GcsLease:
+    """One lease object, written and deleted through the GCS JSON API with generation
+    preconditions (gcsfs's `pipe_file` can only make a write conditional on absence).
+    Writes are multipart uploads: the upload type whose preconditions every GCS server
+    checks (fake-gcs-server ignores them on `uploadType=media`; docs/gcs.md)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
+        import gcsfs.core  # a dependency of the package, imported only for gs:// workdirs
+
+        if not isinstance(fs, gcsfs.core.GCSFileSystem):
+            raise ValueError(f"{path}: a workdir is local or gs://, not {fs.protocol}")
+        self.fs = fs
+        self.path = path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.upload_url = f"{gcsfs.core._location()}/upload/storage/v1/b/{self.bucket}/o"
+        self.generation: str | None = None
+
+    def create(self, holder: Mapping[str, Any]) -> str | None:
+        """Creates the object if absent: its generation, or None if it exists."""
+        return self._write(holder, "0")
+
+    def renew(self, holder: Mapping[str, Any]) -> str | None:
+        """Rewrites our own generation: the new one, or None if it is not ours any more."""
+        return self._write(holder, self.generation)
+
+    def _write(self, holder: Mapping[str, Any], if_generation: str) -> str | None:
+        body = b"".join([
+            b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n",
+            json.dumps({"name": self.key}).encode(),
+            b"\n--==0==\nContent-Type: application/json\n\n",
+            json.dumps(holder).encode(),
+            b"\n--==0==--"])
+        try:
+            written = self.fs.call(
+                "POST", self.upload_url, uploadType="multipart", ifGenerationMatch=if_generation,
+                headers={"Content-Type": 'multipart/related; boundary="==0=="'}, data=body,
+                json_out=True)
+        except FileExistsError:  # 412: the precondition failed
+            return None
+        self.generation = str(written["generation"])
+        return self.generation
+
+    def read(self) -> tuple[dict[str, Any], str | None]:
+        """The holder and the generation it was read from; ({}, None) if there is none."""
+        try:
+            meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, json_out=True)
+            _, data = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media",
+                                   ifGenerationMatch=meta["generation"])
+        except (FileNotFoundError, FileExistsError):  # gone, or rewritten while read
+            return {}, None
+        return _parse_holder(data), str(meta["generation"])
+
+    def delete(self, generation: str | None) -> bool:
+        """Deletes `generation` of the object; False if it is not the live one."""
+        try:
+            self.fs.call("DELETE", "b/{}/o/{}", self.bucket, self.key,
+                         ifGenerationMatch=generation)
+        except (FileNotFoundError, FileExistsError):
+            return False
+        return True
+
+
+def _renew(lease: _GcsLease, holder: dict[str, Any], stop: threading.Event) -> None:
     while not stop.wait(LEASE_RENEW_SECONDS):
         holder["renewed"] = time.time()
         try:
-            fs.pipe_file(path, json.dumps(holder).encode())
+            if lease.renew(holder) is None:
+                log.error("the lease %s was taken over by another run: stop this one",
+                          lease.path)
+                return
         except OSError as e:  # a missed renewal is harmless unless ten in a row are missed
-            log.warning("could not renew the lease %s: %s", path, e)
+            log.warning("could not renew the lease %s: %s", lease.path, e)
 
 
 # --- what runs that died leave behind --------------------------------------------------------
@@ -422,6 +496,7 @@ def leftovers(workdir: str, stages: Sequence[str]) -> list[Leftover]:
     found = []
     for stage in stages:
         fs, stage_path = filesystem(join(workdir, stage))
+        fs.invalidate_cache(stage_path)  # other processes' runs since this one last listed
         if not fs.isdir(stage_path):
             continue
         for path in sorted(fs.ls(stage_path, detail=False)):

@@ -1,4 +1,5 @@
-"""components/artifacts.py: atomic publication, completeness, local and fsspec paths."""
+"""components/artifacts.py: atomic publication, completeness, leases, on local disk and on
+`gs://` (a GCS emulator on loopback, tests/gcs_emulator.py)."""
 
 import json
 import logging
@@ -10,22 +11,17 @@ import uuid
 
 import fsspec
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
 
 from components import artifacts
+from gcs_emulator import gcs, gcs_faults, gcs_server  # noqa: F401 (fixtures)
 
 
-@pytest.fixture(params=["local", "memory"])
+@pytest.fixture(params=["local", "gcs"])
 def workdir(request, tmp_path):
-    """A local workdir, and an fsspec `memory://` one standing in for `gs://`."""
+    """A local workdir, and one in a bucket of the GCS emulator."""
     if request.param == "local":
-        yield str(tmp_path / "work")
-        return
-    root = f"memory://test-{uuid.uuid4().hex[:8]}/work"
-    yield root
-    fs, path = artifacts.filesystem(root)
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+        return str(tmp_path / "work")
+    return request.getfixturevalue("gcs").uri(uuid.uuid4().hex[:8], "work")
 
 
 def _put(uri: str, text: str) -> None:
@@ -34,7 +30,10 @@ def _put(uri: str, text: str) -> None:
 
 
 def _names(uri: str) -> list[str]:
+    """The entries of a directory; none if it does not exist (a bucket has no empty ones)."""
     fs, path = artifacts.filesystem(uri)
+    if not fs.exists(path):
+        return []
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
 
 
@@ -181,8 +180,8 @@ def test_a_second_trainer_of_the_key_leaves_the_first_ones_work_alone(workdir):
     assert _names(artifacts.require(workdir, "teacher", "k").path("checkpoints")) == ["5"]
 
 
-def test_a_stale_remote_lease_is_taken_over_a_live_one_is_not(caplog):
-    workdir = f"memory://lease-{uuid.uuid4().hex[:8]}/work"
+def test_a_stale_remote_lease_is_taken_over_a_live_one_is_not(gcs, caplog):
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
     lease = artifacts.lease_uri(workdir, "prepare", "k1")
     holder = {"host": "elsewhere", "pid": 7, "started": "2026-01-01T00:00:00+00:00"}
     _put(lease, json.dumps(dict(holder, renewed=time.time())))
@@ -224,23 +223,19 @@ def test_the_manifest_is_never_seen_half_written(tmp_path, monkeypatch):
     assert not artifacts.is_complete(final)
 
 
-def test_a_memory_publish_that_fails_half_way_leaves_nothing_readable(monkeypatch):
-    workdir = f"memory://half-{uuid.uuid4().hex[:8]}/work"
-    copied = []
-    copy = MemoryFileSystem.cp_file
-
-    def failing_copy(self, path1, path2, **kwargs):
-        if copied:
-            raise OSError("connection reset")
-        copied.append(path2)
-        return copy(self, path1, path2, **kwargs)
-
-    monkeypatch.setattr(MemoryFileSystem, "cp_file", failing_copy)
-    with pytest.raises(OSError, match="connection reset"):
+def test_a_gcs_publish_that_fails_half_way_leaves_nothing_readable(gcs_faults):
+    """On GCS a directory moves object by object (the emulator lacks `moveTo`: a copy and a
+    delete each); the copies after the first are refused (403, not retried): what was
+    moved is never read, and a rerun replaces it."""
+    gcs, proxy = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    proxy.fail("POST", "/rewriteTo/", 403, times=10, after=1)  # one object moves
+    with pytest.raises(OSError, match="Forbidden"):
         _publish(workdir, "k1", {"a.txt": "old", "b.txt": "old"})
     final = artifacts.location(workdir, "prepare", "k1")
-    assert len(copied) == 1 and not artifacts.is_complete(final)
+    assert not artifacts.is_complete(final)
     assert _names(artifacts.join(workdir, "prepare")) == ["k1"]  # tmp and lease are gone
-    monkeypatch.setattr(MemoryFileSystem, "cp_file", copy)
+    assert len(_names(final)) == 1  # the object moved before the failure
+    proxy.faults.clear()
     artifact = _publish(workdir, "k1", {"c.txt": "new"})
     assert _names(artifact.uri) == ["c.txt", "config.yaml", "manifest.json"]
