@@ -439,6 +439,7 @@ class Decoder:
 
     stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "student"
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
+    rescorer: Optional[str] = None  # the training stage whose model picks among its candidates
 
 
 # Decoding kinds: config validation, `padir translate`'s flags and inference all read this.
@@ -447,6 +448,9 @@ DECODERS: dict[str, Decoder] = {
     "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist")),
     "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init",
                                  "shortlist")),
+    "padir_rescored": Decoder("student", ("iterations", "num_length_candidates",
+                                          "length_offsets", "init", "shortlist"),
+                              rescorer="teacher"),
     "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
                                         "shortlist")),
     "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
@@ -470,6 +474,9 @@ class DecodeMethod:
       ar_beam       beam search: beam_size, length_penalty (GNMT exponent)
       padir         refinement: iterations (the most passes; a sentence stops earlier at a
                     fixed point), num_length_candidates x length_offsets, init
+      padir_rescored  padir's refinement of every length candidate, the candidate kept
+                    the one the teacher scores best (one teacher-forced pass; the decode
+                    stage gives it the teacher)
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
       adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
                     num_length_candidates x length_offsets
@@ -520,6 +527,11 @@ class DecodeMethod:
     def stage(self) -> str:
         """The training stage whose checkpoint this method decodes with."""
         return DECODERS[self.kind].stage
+
+    @property
+    def rescorer(self) -> Optional[str]:
+        """The training stage whose model rescores this method's candidates, if any."""
+        return DECODERS[self.kind].rescorer
 
 
 def decode_options() -> tuple[dataclasses.Field, ...]:

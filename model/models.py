@@ -40,6 +40,7 @@ from model.transformer import (
     PaDIRTransformer,
     argmax_ids,
     mask_non_target_ids,
+    shift_right,
 )
 
 Batch = dict[str, jax.Array]
@@ -146,6 +147,31 @@ class ARModel(_BaseModel):
     def encode(self, params: Params, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """source int32[B, S] -> (encoded [B, S, D], memory_mask bool[B, S])."""
         return self.module.apply({"params": params}, source, method=ARTransformer.encode)
+
+    def target_log_probs(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, targets: jax.Array
+    ) -> jax.Array:
+        """Teacher-forced log-probability of each given target token, in one decoder pass
+        (no search): what rescoring another model's candidates needs.
+
+        Args:
+          encoded, memory_mask: `encode`'s output for the targets' rows.
+          targets: int32[N, T] ids + EOS, 0-padded.
+
+        Returns:
+          float32[N, T]: log p(targets[:, t] | targets[:, :t], source) under the
+          distribution over target ids (as the searches decode: non-target ids masked);
+          0 at PAD.
+        """
+        non_pad = targets != PAD_ID  # [N, T]
+        logits = self.module.apply(
+            {"params": params}, encoded, memory_mask, shift_right(targets), non_pad,
+            method=ARTransformer.decode,
+        )  # [N, T, V]
+        logits = mask_non_target_ids(logits.astype(jnp.float32))
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        log_probs = target_logit - jax.nn.logsumexp(logits, axis=-1)  # [N, T]
+        return jnp.where(non_pad, log_probs, 0.0)
 
     def init_cache(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int

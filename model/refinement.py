@@ -8,6 +8,9 @@ that a batch needs is known only once its lengths are predicted:
     width = output_width(candidates.lengths, max_len=32)     # host: a multiple of 8
     result = refine(model, params, candidates, width=width, max_iterations=4, init="mask")
     result = mask_predict(model, params, candidates, width=width, iterations=10)
+    result = refine_rescored(model, params, teacher, teacher_params,
+                             Rescoring(candidates, teacher.encode(teacher_params, source)),
+                             width=width, max_iterations=4)   # the teacher picks the candidate
     result = adaptive(model, params, candidates, width=width, tokens_per_step=2,
                       criterion="margin")
     result.tokens, result.scores, result.passes, result.lengths
@@ -433,13 +436,24 @@ def refine(
     Returns:
       DecodeResult of B rows.
     """
+    state, lengths = _refine_rows(model, params, candidates, width=width,
+                                  max_iterations=max_iterations, init=init, rng=rng,
+                                  vocab_ids=vocab_ids)
+    return _choose(state.tokens, state.token_log_probs, state.passes, lengths,
+                   candidates.lengths.shape[0])
+
+
+def _refine_rows(model: NARModel, params: Params, candidates: Candidates, *, width: int,
+                 max_iterations: int, init: str, rng: jax.Array | None,
+                 vocab_ids: jax.Array | None) -> tuple[RefineState, jax.Array]:
+    """`refine` of every candidate, before the choice: (final RefineState of N rows,
+    lengths int32[N])."""
     if max_iterations < 1:
         raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
     if init == "random" and rng is None:
         raise ValueError('init="random" needs an rng')
-    batch_size = candidates.lengths.shape[0]
     logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     initial = masked_hypothesis(lengths, width)  # [N, T]: MASK, EOS, PAD
     if init == "random":
@@ -447,8 +461,81 @@ def refine(
             rng, initial.shape, model.first_real_id, model.vocab_size, jnp.int32
         )  # [N, T]
         initial = jnp.where(initial == MASK_ID, pieces, initial)  # [N, T]
-    state = refine_loop(logits_fn, initial, lengths, max_iterations, vocab_ids)
-    return _choose(state.tokens, state.token_log_probs, state.passes, lengths, batch_size)
+    return refine_loop(logits_fn, initial, lengths, max_iterations, vocab_ids), lengths
+
+
+# --- length candidates rescored by an AR model --------------------------------------
+
+
+class Rescorer(Protocol):
+    """What `refine_rescored` needs from the AR teacher (`ARModel` has it)."""
+
+    def encode(self, params: Params, source: jax.Array) -> tuple[Any, jax.Array]:
+        """source int32[B, S] -> (encoded, memory_mask), leaves with B rows first."""
+
+    def target_log_probs(self, params: Params, encoded: Any, memory_mask: jax.Array,
+                         targets: jax.Array) -> jax.Array:
+        """Teacher-forced: targets int32[N, T] -> log-probabilities float32[N, T]."""
+
+
+@flax.struct.dataclass
+class Rescoring:
+    """A batch's candidates with the rescorer's encoding of the same sources."""
+
+    candidates: Candidates
+    encoded: Any  # (encoded, memory_mask) of `Rescorer.encode`, leaves with B rows first
+
+    @property
+    def lengths(self) -> jax.Array:
+        """int32[B, C]: the candidates' lengths (what `output_width` reads)."""
+        return self.candidates.lengths
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model", "rescorer", "width", "max_iterations", "init"))
+def refine_rescored(
+    model: NARModel,
+    params: Params,
+    rescorer: Rescorer,
+    rescorer_params: Params,
+    rescoring: Rescoring,
+    *,
+    width: int,
+    max_iterations: int,
+    init: Literal["mask", "random"] = "mask",
+    rng: jax.Array | None = None,
+    vocab_ids: jax.Array | None = None,
+) -> DecodeResult:
+    """Noisy parallel decoding (Gu et al. 2018; fairseq's
+    `--iter-decode-with-external-reranker`): `refine` every length candidate as one batch,
+    score each finished candidate with the AR `rescorer` in one teacher-forced pass (no
+    search), keep the one the rescorer finds most likely.
+
+    Score: the rescorer's mean log-probability over the candidate's L tokens (EOS
+    included), the refinement's own score replaced. Passes: the refinement's (as `refine`)
+    plus the rescorer's one pass. The shortlist `vocab_ids` restricts the refinement; the
+    rescorer scores over all ids. With one candidate per sentence the tokens are
+    `refine`'s.
+
+    Args:
+      model, params, width, max_iterations, init, rng, vocab_ids: as `refine`.
+      rescorer: the AR model (hashable: static under jit); rescorer_params its parameters.
+      rescoring: the candidates and the rescorer's encoding of their sources.
+
+    Returns:
+      DecodeResult of B rows.
+    """
+    candidates = rescoring.candidates
+    state, lengths = _refine_rows(model, params, candidates, width=width,
+                                  max_iterations=max_iterations, init=init, rng=rng,
+                                  vocab_ids=vocab_ids)  # [N, T] rows, lengths [N]
+    encoded, memory_mask = jax.tree.map(
+        lambda x: jnp.repeat(x, candidates.lengths.shape[1], axis=0), rescoring.encoded
+    )  # leaves [N, ...]
+    log_probs = rescorer.target_log_probs(rescorer_params, encoded, memory_mask,
+                                          state.tokens)  # [N, T]
+    return _choose(state.tokens, log_probs, state.passes + 1, lengths,
+                   candidates.lengths.shape[0])
 
 
 def predict_refined(model: NARModel, params: Params, batch: dict[str, jax.Array], *,

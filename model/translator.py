@@ -48,7 +48,15 @@ Decoder passes per sentence: for the NAR kinds what `model.refinement` reports; 
 kinds the hypothesis length counting EOS (the steps that produced it; beam search may run
 a few more steps before it knows no live beam can win, each over `beam_size` rows).
 Scores: the beam's length-penalised log-probability (`ar_beam`), the mean token
-log-probability of the chosen candidate (NAR kinds), None for `ar_greedy`.
+log-probability of the chosen candidate (NAR kinds; under the teacher for `padir_rescored`),
+None for `ar_greedy`.
+
+Rescored kinds (`DecodeMethod.rescorer`: `padir_rescored`) decode with two models: the
+student refines its candidates and the teacher picks one (`refinement.refine_rescored`).
+The first call runs both encoders, the second the passes and the teacher's scoring pass;
+both are timed like every other kind. The teacher is the `rescorer` given to the
+`Translator` (the decode stage gives its own), else the one the student's artifact was
+computed from (`upstream`).
 """
 
 from __future__ import annotations
@@ -178,6 +186,38 @@ def shortlist_table(loaded: LoadedModel) -> shortlist.Shortlist:
         return _SHORTLISTS[loaded.uri]
 
 
+def upstream(uri: str, stage: str) -> str:
+    """The `stage` artifact that artifact `uri` was computed from, found through the
+    manifests' inputs, nearest first (a student's teacher: the one it started from, else
+    the one that distilled its data). ConfigError if there is none."""
+    pending, seen = [uri], set()
+    while pending:
+        current = pending.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        inputs = artifacts.read(current).manifest["inputs"]
+        if stage in inputs:
+            return inputs[stage]
+        pending += list(inputs.values())
+    raise config_lib.ConfigError(
+        f"{uri} was not computed from a {stage!r} artifact (e.g. a student trained on the "
+        f"original pairs): give the {stage} to rescore with")
+
+
+def _check_rescorer(loaded: LoadedModel, method: DecodeMethod, rescorer: LoadedModel) -> None:
+    """The rescorer is of the method's stage and reads the same vocabulary."""
+    if rescorer.stage != method.rescorer:
+        raise config_lib.ConfigError(
+            f"method {method.name!r} ({method.kind}) rescores with a {method.rescorer!r} "
+            f"artifact, not {rescorer.uri} ({rescorer.stage!r})")
+    vocabs = {artifacts.read(model.uri).manifest["inputs"].get("vocab")
+              for model in (loaded, rescorer)}
+    if len(vocabs) != 1:
+        raise config_lib.ConfigError(
+            f"{loaded.uri} and its rescorer {rescorer.uri} use different vocabularies")
+
+
 @dataclasses.dataclass(frozen=True)
 class Translation:
     """The decoding of one sentence (see the module docstring for the definitions)."""
@@ -208,9 +248,21 @@ def _hypothesis_ids(row: np.ndarray) -> list[int]:
 def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Array, *,
                   max_len: int) -> Any:
     """The first call: the encoder (AR), or the encoder and the length head (PaDIR:
-    `refinement.Candidates` with lengths up to `max_len`)."""
+    `refinement.Candidates` with lengths up to `max_len`); for a rescored kind, whose model
+    and params are (student's, rescorer's), also the rescorer's encoder
+    (`refinement.Rescoring`)."""
     if method.stage == "teacher":
         return model.encode(params, source)
+    if method.rescorer:
+        (model, rescorer), (params, rescorer_params) = model, params
+        return refinement.Rescoring(
+            candidates=_candidates(model, method, params, source, max_len=max_len),
+            encoded=rescorer.encode(rescorer_params, source))
+    return _candidates(model, method, params, source, max_len=max_len)
+
+
+def _candidates(model: Any, method: DecodeMethod, params: Any, source: jax.Array, *,
+                max_len: int) -> refinement.Candidates:
     return refinement.predict_candidates(
         model, params, source, num_length_candidates=method.num_length_candidates,
         length_offsets=tuple(method.length_offsets), max_len=max_len)
@@ -248,6 +300,14 @@ def _refine(model, method, params, encoded, rng, vocab_ids, *, width):
                                    vocab_ids=vocab_ids))
 
 
+def _refine_rescored(model, method, params, encoded, rng, vocab_ids, *, width):
+    (model, rescorer), (params, rescorer_params) = model, params
+    return _result(refinement.refine_rescored(
+        model, params, rescorer, rescorer_params, encoded, width=width,
+        max_iterations=method.iterations, init=method.init,
+        rng=rng if method.init == "random" else None, vocab_ids=vocab_ids))
+
+
 def _mask_predict(model, method, params, encoded, rng, vocab_ids, *, width):
     return _result(refinement.mask_predict(model, params, encoded, width=width,
                                          iterations=method.iterations, vocab_ids=vocab_ids))
@@ -268,6 +328,7 @@ SEARCHES: dict[str, Callable[..., dict[str, Optional[jax.Array]]]] = {
     "ar_greedy": _ar_greedy,
     "ar_beam": _ar_beam,
     "padir": _refine,
+    "padir_rescored": _refine_rescored,
     "mask_predict": _mask_predict,
     "adaptive": _adaptive,
 }
@@ -283,16 +344,28 @@ class Translator:
       boundaries: the length buckets (default: the artifact's).
       seed: the key of `init="random"` (the same key for every batch, so a sentence decoded
         at batch size 1 always gets the same initial hypothesis).
+      rescorer: the model that picks among the candidates of a rescored kind
+        (`DecodeMethod.rescorer`: the teacher); default the one `loaded` was trained from
+        (`upstream`: the teacher that distilled its data). None for the other kinds.
     """
 
     def __init__(self, loaded: LoadedModel, method: DecodeMethod, *, batch_size: int,
-                 boundaries: Optional[Sequence[int]] = None, seed: int = 0):
+                 boundaries: Optional[Sequence[int]] = None, seed: int = 0,
+                 rescorer: Optional[LoadedModel] = None):
         if method.stage != loaded.stage:
             raise config_lib.ConfigError(
                 f"method {method.name!r} ({method.kind}) decodes with a {method.stage!r} "
                 f"artifact, not {loaded.uri} ({loaded.stage!r})")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self._model, self._params = loaded.model, loaded.params
+        if method.rescorer:
+            rescorer = rescorer or load_cached(upstream(loaded.uri, method.rescorer))
+            _check_rescorer(loaded, method, rescorer)
+            self._model = (loaded.model, rescorer.model)
+            self._params = (loaded.params, rescorer.params)
+        elif rescorer is not None:
+            raise ValueError(f"method {method.name!r} ({method.kind}) takes no rescorer")
         self.loaded = loaded
         self.method = method
         self.batch_size = batch_size
@@ -310,12 +383,12 @@ class Translator:
 
         def encode(params, source, *, max_len):
             TRACES[trace_key] += 1  # a Python side effect: runs once per trace
-            return _encode_batch(loaded.model, method, params, source, max_len=max_len)
+            return _encode_batch(self._model, method, params, source, max_len=max_len)
 
         def search(params, encoded, rng, vocab_ids, *, width):
             columns = loaded.model.vocab_size if vocab_ids is None else vocab_ids.shape[0]
             WIDTH_TRACES[trace_key + (width, columns)] += 1
-            return _search_batch(loaded.model, method, params, encoded, rng, vocab_ids,
+            return _search_batch(self._model, method, params, encoded, rng, vocab_ids,
                                  width=width)
 
         self._jit_encode = jax.jit(encode, static_argnames=("max_len",))
@@ -378,7 +451,7 @@ class Translator:
             return self._ctranslate2(source, max_len)
         started = time.perf_counter()
         encoded = jax.block_until_ready(
-            self._jit_encode(self.loaded.params, source, max_len=max_len))
+            self._jit_encode(self._params, source, max_len=max_len))
         encoded_at = time.perf_counter()
         if self.method.stage == "teacher":
             width = max_len
@@ -387,7 +460,7 @@ class Translator:
         vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)
         chosen_at = time.perf_counter()
         output = jax.block_until_ready(
-            self._jit_search(self.loaded.params, encoded, self._rng, vocab_ids, width=width))
+            self._jit_search(self._params, encoded, self._rng, vocab_ids, width=width))
         done = time.perf_counter()
         columns = self.loaded.model.vocab_size if vocab_ids is None else len(vocab_ids)
         return (output, done - started, encoded_at - started, done - chosen_at, width,

@@ -212,7 +212,8 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
             for folder, name, batch_size, examples in passes:
                 handler = TranslationModelHandler(
                     checkpoints[method.stage], method, batch_size=batch_size,
-                    boundaries=boundaries, seed=config.seed)
+                    boundaries=boundaries, seed=config.seed,
+                    rescorer_uri=checkpoints.get(method.rescorer))
                 first = folder == HYPOTHESES and method is settings.methods[0]
                 _ = examples | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
                     handler, output_path(output_uri, folder, split, method.name),
@@ -275,7 +276,8 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     prepared = dag.require_input(config, "prepare")
     for split in decoded_splits(config.data):  # structural errors before any work starts
         corpus.split_files(prepared.uri, split)
-    needed = sorted({method.stage for method in config.decode.methods})
+    needed = sorted({stage for method in config.decode.methods
+                     for stage in (method.stage, method.rescorer) if stage})
     checkpoints = {stage: dag.require_input(config, stage) for stage in needed}
     # The models' vocabulary (teacher and student share the vocab artifact).
     tokenizer = tokenizer_lib.Tokenizer.for_artifact(checkpoints[needed[0]])

@@ -61,11 +61,14 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
       seed: the key of `init="random"` (model/translator.py).
       expected_sentences: how many sentences the job translates in all, for the ETA in the
         progress log (None: rate only).
+      rescorer_uri: a published artifact of the method's rescorer stage (`teacher`), for a
+        rescored kind; restored once per process like the model.
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
                  boundaries: Optional[Sequence[int]] = None, seed: int = 0,
-                 expected_sentences: Optional[int] = None):
+                 expected_sentences: Optional[int] = None,
+                 rescorer_uri: Optional[str] = None):
         super().__init__(min_batch_size=batch_size, max_batch_size=batch_size)
         self._artifact_uri = artifact_uri
         self._method = method
@@ -73,6 +76,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         self._boundaries = tuple(boundaries) if boundaries else None
         self._seed = seed
         self._expected = expected_sentences
+        self._rescorer_uri = rescorer_uri
         self._translated = 0
         self._started: Optional[float] = None
         self._logged = 0.0
@@ -82,9 +86,12 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         from model import translator  # JAX starts here, in the worker
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
+        rescorer = (translator.load_cached(self._rescorer_uri) if self._rescorer_uri
+                    else None)
         return translator.Translator(
             translator.load_cached(self._artifact_uri), self._method,
-            batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed)
+            batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed,
+            rescorer=rescorer)
 
     def run_inference(self, batch: Sequence[str], model: Any,
                       inference_args: Optional[dict[str, Any]] = None

@@ -10,6 +10,7 @@ import pytest
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
+from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, VOCAB, memorised_padir, train
 
 
@@ -143,3 +144,18 @@ def test_ar_searches_emit_only_shortlisted_ids(ar_trained):
         params, encoded, memory_mask, width, jnp.asarray(vocab_ids))
     assert int(tokens[0, 0]) != missing
     assert np.all(np.isin(np.asarray(tokens), vocab_ids))
+
+
+def test_target_log_probs_are_the_teacher_forced_log_softmax_at_the_targets():
+    model = ARModel(CONFIG, VOCAB)
+    params = jax.jit(model.init)(jax.random.key(4), BATCH)
+    targets = BATCH["target"]
+    encoded, memory_mask = model.encode(params, BATCH["source"])
+    log_probs = jax.jit(model.target_log_probs)(params, encoded, memory_mask, targets)
+    logits = model.module.apply({"params": params}, BATCH["source"], targets)  # [B, T, V]
+    full = jax.nn.log_softmax(mask_non_target_ids(logits), axis=-1)
+    expected = jnp.take_along_axis(full, targets[..., None], axis=-1)[..., 0]
+    non_pad = np.asarray(targets) != PAD_ID
+    np.testing.assert_allclose(np.asarray(log_probs)[non_pad], np.asarray(expected)[non_pad],
+                               atol=1e-5)
+    assert np.all(np.asarray(log_probs)[~non_pad] == 0.0)

@@ -14,7 +14,7 @@ import pytest
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model import refinement
-from model.models import masked_hypothesis
+from model.models import ARModel, masked_hypothesis
 from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB, memorised_padir
 
@@ -447,3 +447,92 @@ def test_a_trained_model_decodes_only_shortlisted_ids(trained):
     short = run(vocab_ids=vocab_ids)
     assert not np.any(np.isin(np.asarray(short.tokens)[:, 0], missing))
     assert np.all(np.isin(np.asarray(short.tokens), vocab_ids))
+
+
+# --- length candidates rescored by an AR model ----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthJudge:
+    """A stand-in `Rescorer` that likes one length per sentence: every token of a candidate
+    of length L gets log-probability -|L - liked|, `liked` being params["liked"][b]."""
+
+    def encode(self, params, source):
+        return params["liked"][:, None] * jnp.ones_like(source), source != PAD_ID
+
+    def target_log_probs(self, params, encoded, memory_mask, targets):
+        lengths = jnp.sum(targets != PAD_ID, axis=1, keepdims=True)  # [N, 1]
+        log_probs = -jnp.abs(lengths - encoded[:, :1]).astype(jnp.float32)  # [N, 1]
+        return jnp.where(targets != PAD_ID, log_probs, 0.0)  # [N, T]
+
+
+def _rescored(model, params, rescorer, rescorer_params, source, *, num_length_candidates,
+              length_offsets, **options):
+    """Both calls of `refine_rescored`, as the Translator makes them."""
+    candidates = refinement.predict_candidates(
+        model, params, source, num_length_candidates=num_length_candidates,
+        length_offsets=length_offsets, max_len=model.config.max_target_len)
+    rescoring = refinement.Rescoring(candidates, rescorer.encode(rescorer_params, source))
+    width = refinement.output_width(rescoring.lengths, model.config.max_target_len)
+    return refinement.refine_rescored(model, params, rescorer, rescorer_params, rescoring,
+                                      width=width, **options)
+
+
+def test_rescoring_keeps_the_candidate_the_rescorer_scores_best():
+    # The oracle's own score prefers the reference lengths 3, 6, 8; the judge wants 4, 5, 7.
+    liked = {"liked": jnp.array([4, 5, 7])}
+    result = _rescored(ORACLE, _calm(3), LengthJudge(), liked, REFERENCE,
+                       num_length_candidates=1, length_offsets=(-1, 0, 1), max_iterations=4)
+    np.testing.assert_array_equal(result.lengths, [4, 5, 7])
+    np.testing.assert_allclose(result.scores, 0.0)  # the judge's score of its choice
+    _assert_valid(result.tokens, result.lengths)
+    np.testing.assert_array_equal(result.passes, [3, 3, 3])  # 2 refinement passes + scoring
+    # Each chosen row is the refinement of that candidate length.
+    for row, (source, length) in enumerate(zip(REFERENCE, [4, 5, 7])):
+        logits_fn = _oracle_logits_fn(_calm(1), source[None], MAX_LEN)
+        lengths = jnp.array([length])
+        state = refinement.refine_loop(logits_fn, masked_hypothesis(lengths, MAX_LEN),
+                                       lengths, 4)
+        np.testing.assert_array_equal(result.tokens[row], state.tokens[0][:MAX_LEN])
+
+
+def test_rescoring_picks_the_teachers_most_likely_candidate(trained):
+    """With a real AR model: the choice is the argmax of its mean log-probability over the
+    refined candidates, each refined as `refine` refines it alone."""
+    model, params, lengths = trained
+    teacher = ARModel(CONFIG, VOCAB)  # untrained: it disagrees with the student's own scores
+    teacher_params = jax.jit(teacher.init)(jax.random.key(0), BATCH)
+    source = BATCH["source"]
+    result = _rescored(model, params, teacher, teacher_params, source,
+                       num_length_candidates=2, length_offsets=(-1, 0, 1), max_iterations=4)
+    candidates = refinement.predict_candidates(model, params, source, num_length_candidates=1,
+                                               length_offsets=(0,))
+    log_probs = jax.jit(teacher.target_log_probs)
+    scores, tokens = [], []
+    for column in range(lengths.shape[1]):  # candidate c of every sentence, alone
+        alone = candidates.replace(lengths=jnp.asarray(lengths[:, column:column + 1]))
+        refined = refinement.refine(model, params, alone, width=MAX_LEN,
+                                    max_iterations=4).tokens  # [B, T]
+        total = jnp.sum(log_probs(teacher_params, *teacher.encode(teacher_params, source),
+                                  refined), axis=1)
+        scores.append(np.asarray(total) / lengths[:, column])
+        tokens.append(np.asarray(refined))
+    best = np.argmax(np.stack(scores, axis=1), axis=1)  # [B]; ties: the first
+    rows = np.arange(len(best))
+    np.testing.assert_array_equal(result.tokens, np.stack(tokens, axis=1)[rows, best])
+    np.testing.assert_allclose(result.scores, np.stack(scores, axis=1)[rows, best], atol=1e-5)
+    own = _decode(refinement.refine, model, params, source, num_length_candidates=2,
+                  length_offsets=(-1, 0, 1), max_iterations=4)
+    assert np.any(np.asarray(result.lengths) != np.asarray(own.lengths))  # the teacher chose
+
+
+def test_rescoring_one_candidate_gives_refines_output(trained):
+    model, params, _ = trained
+    teacher = ARModel(CONFIG, VOCAB)
+    teacher_params = jax.jit(teacher.init)(jax.random.key(5), BATCH)
+    common = dict(num_length_candidates=1, length_offsets=(0,), max_iterations=4)
+    plain = _decode(refinement.refine, model, params, BATCH["source"], **common)
+    rescored = _rescored(model, params, teacher, teacher_params, BATCH["source"], **common)
+    np.testing.assert_array_equal(rescored.tokens, plain.tokens)
+    np.testing.assert_array_equal(rescored.lengths, plain.lengths)
+    np.testing.assert_array_equal(rescored.passes, plain.passes + 1)
