@@ -1,8 +1,8 @@
 """Does the local runner hold a shuffle in memory? Peak RSS of a trivial pipeline, with and
 without a Reshuffle, at two sizes, in both of FnApiRunner's modes.
 
-The data stages' peak RSS grows with the corpus on the local FnApiRunner (README, "The cost
-curve"). This separates the runner from our steps: the same pipeline of N strings, counted,
+The data stages' peak RSS grows with the corpus on the local FnApiRunner (benchmarks/README.md,
+`scaling.py`). This separates the runner from our steps: the same pipeline of N strings, counted,
 once straight through and once through a `beam.Reshuffle()`. In the default mode the
 runner and its worker share one process; with `--direct_running_mode=multi_processing` the
 worker is a process of its own, as on Dataflow, and its peak is measured apart from the

@@ -1,6 +1,6 @@
 """What WMT14 en-de (4.5M training pairs) would cost, extrapolated from measured figures.
 
-Prints three markdown tables for the README, each followed by its assumptions, one a line:
+Prints three markdown tables for benchmarks/README.md, each followed by its assumptions, one a line:
 
 * the Beam data stages (prepare, vocab, encode), from `benchmarks/scaling.py --json` at its
   largest size (most pairs read by prepare): the CPU time per pair, scaled by the words of

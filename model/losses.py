@@ -54,7 +54,7 @@ def cross_entropy(
 # The cross-entropy over the vocabulary, forward and backward, by hand. Differentiated by
 # JAX, the log-softmax and the smoothed one-hot target each materialise [B, T, V] arrays in
 # both directions: on CPU those passes over the logits cost more than the output
-# projection's three matmuls (README, "Where the teacher's training time goes"). Here the
+# projection's three matmuls (benchmarks/README.md, `train_throughput.py`). Here the
 # forward pass is three reductions and a gather per position, and the gradient
 # (softmax - smoothed target) one elementwise pass.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

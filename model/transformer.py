@@ -129,7 +129,7 @@ class Dropout(nn.Module):
 
     Generating the random bits (threefry, a rolled loop on CPU) was a fifth of a training
     step on 2 cores; a quarter of the words makes the teacher's and the student's steps
-    1.13-1.14x faster (README "Where the teacher's training time goes"). The price: the
+    1.13-1.14x faster (benchmarks/README.md, `train_throughput.py`). The price: the
     rate is rounded to a multiple of 1/256 (0.1 drops 26/256 = 10.2%), and rates under
     1/512 drop nothing.
     """

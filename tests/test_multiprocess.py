@@ -2,7 +2,7 @@
 with a loopback coordinator, one CPU device each, gloo collectives, data parallel over both,
 orbax checkpoints written by both, the lease, manifest and publication by process 0 only.
 
-Each process runs the README's command for hosts that JAX cannot detect itself:
+Each process runs docs/running.md's command for hosts that JAX cannot detect itself:
     padir stage teacher tiny.yaml --set mesh.distributed=true \\
         --set mesh.coordinator_address=127.0.0.1:PORT --set mesh.num_processes=2 \\
         --set mesh.process_id=I
