@@ -38,6 +38,8 @@ METHODS = [  # every kind, each as cheap as it gets
     {"name": "greedy", "kind": "ar_greedy"},
     {"name": "beam2", "kind": "ar_beam", "beam_size": 2},
     {"name": "padir_2", "kind": "padir", "iterations": 2},
+    {"name": "padir_2_rescored", "kind": "padir_rescored", "iterations": 2,
+     "length_offsets": [-1, 0, 1]},
     {"name": "mp_2", "kind": "mask_predict", "iterations": 2},
     {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
     {"name": "ct2", "kind": "ct2_greedy"},
@@ -134,7 +136,7 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
 
 
 def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
-    monkeypatch.setattr(beam_inference, "PROGRESS_EVERY_S", 0.0)  # log after every batch
+    monkeypatch.setattr(model_handler, "PROGRESS_EVERY_S", 0.0)  # log after every batch
     handler = model_handler.TranslationModelHandler(
         _uri(config, "teacher"), DecodeMethod("greedy", "ar_greedy"), batch_size=2,
         boundaries=BUCKETS, expected_sentences=10)
@@ -150,21 +152,77 @@ def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
 
 def test_translator_pads_to_buckets_and_times_each_batch(config):
     loaded = translator.load_cached(_uri(config, "teacher"))
-    translator = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
-                                      boundaries=BUCKETS)
+    decoder = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
+                                    boundaries=BUCKETS)
     key = (loaded.uri, "g", 3)
     short = _sentences(config, 4, range(2, 9))  # bucket 16, width 16
     long = _sentences(config, 1, range(17, 33))  # bucket 32, width 64
-    first = translator.translate(short)
+    first = decoder.translate(short)
     assert translator.TRACES[key] == 1
     assert len(first) == 4 and [t.batch_size for t in first] == [3, 3, 3, 1]
     assert all(t.latency_s > 0 and t.passes == len(t.tokens) and t.score is None for t in first)
     assert first[3].latency_s == first[3].batch_seconds  # a batch of one is not divided
     assert first[0].latency_s == pytest.approx(first[0].batch_seconds / 3)
-    assert translator.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
+    assert decoder.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
     assert translator.TRACES[key] == 2  # the long sentence's bucket; no other shape
     with pytest.raises(ConfigError, match="decodes with a 'student' artifact"):
         translator.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
+
+
+def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
+    student = translator.load_cached(_uri(config, "student"))
+    teacher = translator.load_cached(_uri(config, "teacher"))
+    sentences = _sentences(config, 3, range(2, 9))
+    one = DecodeMethod("r", "padir_rescored", iterations=2)  # one candidate: padir's output
+    rescored = translator.Translator(student, one, batch_size=2, boundaries=BUCKETS,
+                                     rescorer=teacher).translate(sentences)
+    plain = translator.Translator(student, DecodeMethod("p", "padir", iterations=2),
+                                  batch_size=2, boundaries=BUCKETS).translate(sentences)
+    assert [t.tokens for t in rescored] == [t.tokens for t in plain]
+    assert [t.passes for t in rescored] == [t.passes + 1 for t in plain]  # + the teacher's
+    assert all(t.latency_s > 0 and t.score <= 0 for t in rescored)
+    with pytest.raises(ConfigError, match="rescores with a 'teacher' artifact"):
+        translator.Translator(student, one, batch_size=1, rescorer=student)
+    with pytest.raises(ValueError, match="takes no rescorer"):
+        translator.Translator(student, DecodeMethod("p", "padir"), batch_size=1,
+                              rescorer=teacher)
+
+
+def test_a_students_teacher_is_found_through_its_inputs(tmp_path):
+    """`padir translate` gives no teacher: the one the student's artifact was computed
+    from rescores, the nearest first; a student computed from no teacher is a clear error."""
+    def publish(stage, key, **inputs):
+        with artifacts.write(str(tmp_path), stage, key, config={}, inputs=inputs):
+            pass
+        return artifacts.location(str(tmp_path), stage, key)
+
+    prepare = publish("prepare", "p")
+    distiller = publish("teacher", "t1", prepare=prepare)
+    distilled = publish("encode_distilled", "e", distill=publish("distill", "d", teacher=distiller))
+    assert translator.upstream(publish("student", "s1", encode_distilled=distilled),
+                               "teacher") == distiller
+    starter = publish("teacher", "t2", prepare=prepare)
+    assert translator.upstream(publish("student", "s2", encode_distilled=distilled,
+                                       teacher=starter), "teacher") == starter
+    with pytest.raises(ConfigError, match="not computed from a 'teacher' artifact"):
+        translator.upstream(publish("student", "s3", prepare=prepare), "teacher")
+
+
+def test_translate_rescores_with_the_students_own_teacher(config, tiny_workdir, capsys,
+                                                          monkeypatch):
+    warm = tiny_config(tiny_workdir, "encode.bucket_boundaries=[64]", "distill.enabled=false",
+                       "student.init_from_teacher=true")
+    student = publish_untrained(warm, "student").uri  # its manifest names the teacher
+    sentences = _sentences(config, 2, range(2, 9))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
+        "\n".join(sentences).encode())))
+    assert cli.main(["translate", "--checkpoint", student, "--method", "padir_rescored",
+                     "--iterations", "2", "--length-offsets=-1,0,1", "--batch-size", "2"]) == 0
+    method = DecodeMethod("r", "padir_rescored", iterations=2, length_offsets=(-1, 0, 1))
+    expected = translator.Translator(
+        translator.load_cached(student), method, batch_size=2,
+        rescorer=translator.load_cached(_uri(config, "teacher"))).translate(sentences)
+    assert capsys.readouterr().out.split("\n")[:2] == [t.hypothesis for t in expected]
 
 
 def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkeypatch):
@@ -172,7 +230,7 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     its batch's selection; the search compiles per width and shortlist size."""
     monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
     monkeypatch.setattr(shortlist, "build", functools.partial(shortlist.build, frequent=8))
-    monkeypatch.setattr(inference, "_SHORTLISTS", {})
+    monkeypatch.setattr(translator, "_SHORTLISTS", {})
     loaded = translator.load_cached(_uri(config, "teacher"))
     # The prepared pairs, tokenised, stand in for the encode artifact (not built in this
     # shared workdir: test_distill checks that the student refuses to train without it).
@@ -183,15 +241,15 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     monkeypatch.setattr(translator.input_pipeline, "split_files",
                         lambda uri, split: read.append(uri) or [uri])
     monkeypatch.setattr(translator.input_pipeline, "read_pairs", lambda files: iter(pairs))
-    translator = translator.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
-                                                           shortlist=True),
-                                      batch_size=1, boundaries=BUCKETS)
+    decoder = translator.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
+                                                         shortlist=True),
+                                    batch_size=1, boundaries=BUCKETS)
     table = translator.shortlist_table(loaded)
     assert translator.shortlist_table(loaded) is table
     assert table.vocab_size == loaded.tokenizer.vocab_size
     assert read == [artifacts.read(loaded.uri).manifest["inputs"]["encode"]]
     sentences = _sentences(config, 3, range(2, 9))
-    for sentence, translation in zip(sentences, translator.translate(sentences)):
+    for sentence, translation in zip(sentences, decoder.translate(sentences)):
         source = np.array([loaded.tokenizer.encode([sentence])[0] + [EOS_ID]])
         allowed = shortlist.select(table, source)
         assert len(allowed) < loaded.tokenizer.vocab_size and len(allowed) % 8 == 0
@@ -357,11 +415,11 @@ def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch,
                      "--iterations", "2", "--batch-size", "2"]) == 0
     lines = capsys.readouterr().out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
-    translator = translator.Translator(translator.load_cached(uri),
-                                      DecodeMethod("padir", "padir", iterations=2),
-                                      batch_size=2)
+    decoder = translator.Translator(translator.load_cached(uri),
+                                    DecodeMethod("padir", "padir", iterations=2),
+                                    batch_size=2)
     # The command decodes each line alone here (a blank line fills its batch of 2).
-    assert [lines[0], lines[2]] == [translator.translate([s])[0].hypothesis for s in sentences]
+    assert [lines[0], lines[2]] == [decoder.translate([s])[0].hypothesis for s in sentences]
     with pytest.raises(SystemExit) as error:
         cli.main(["translate", "--checkpoint", uri, "--method", "padir", "--beam-size", "8"])
     assert error.value.code == 2
