@@ -335,6 +335,9 @@ class StudentConfig:
     phase2_steps: int = 10000
     num_stages: int = 2  # stages unrolled in phase 2 (phase 1 always uses 1)
     remask_stutter: bool = False  # phase 2: re-mask stage-1 tokens equal to their left neighbour
+    # Phase 2: glancing (GLAT): stage 2 sees round(ratio x stage 1's errors) gold tokens and
+    # learns the rest (model/losses.py `glance`); 0 is off.
+    glancing_ratio: float = 0.0
     label_smoothing: float = 0.1  # of the token cross-entropies (not of the length loss)
     # Phase 1 starts from the teacher's parameters where paths and shapes match (embedding,
     # encoder, decoder attention and MLPs: model/warm_start.py); the rest from scratch.
@@ -345,6 +348,8 @@ class StudentConfig:
             raise ConfigError("student: phase1_steps >= 1, phase2_steps >= 0, num_stages >= 1")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError("student.label_smoothing: expected a value in [0, 1)")
+        if not 0.0 <= self.glancing_ratio <= 1.0:
+            raise ConfigError("student.glancing_ratio: expected a value in [0, 1]")
 
 
 # Logical axis -> mesh axes, in priority order (flax `logical_to_mesh_axes` semantics: an

@@ -149,6 +149,32 @@ def next_stage_input(
     return jnp.where(targets == PAD_ID, PAD_ID, ids)
 
 
+def glance(
+    rng: jax.Array, logits: jax.Array, targets: jax.Array, ratio: float
+) -> jax.Array:
+    """Glancing sampling (GLAT, Qian et al. 2021): which gold tokens to reveal to the next
+    pass, more where the previous pass was more wrong.
+
+    A row with H errors (non-pad positions whose argmax is not the target) reveals
+    round(ratio * H) of its non-pad positions, drawn uniformly without replacement.
+
+    Args:
+      rng: a PRNG key.
+      logits: float[B, T, V] of the previous pass.
+      targets: int32[B, T] ids + EOS, 0-padded.
+      ratio: in [0, 1].
+
+    Returns:
+      bool[B, T], True where the gold token is revealed (never at PAD).
+    """
+    non_pad = targets != PAD_ID  # [B, T]
+    wrong = non_pad & (argmax_ids(jax.lax.stop_gradient(logits)) != targets)  # [B, T]
+    count = jnp.floor(ratio * jnp.sum(wrong, axis=1) + 0.5).astype(jnp.int32)  # [B]
+    key = jnp.where(non_pad, jax.random.uniform(rng, targets.shape), jnp.inf)  # [B, T]
+    rank = jnp.argsort(jnp.argsort(key, axis=1), axis=1)  # [B, T]: a random order per row
+    return non_pad & (rank < count[:, None])
+
+
 def length_loss(
     length_logits: jax.Array, targets: jax.Array
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -184,6 +210,8 @@ def padir_loss(
     num_stages: int = 1,
     remask_stutter: bool = False,
     label_smoothing: float = 0.0,
+    glancing_ratio: float = 0.0,
+    rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The PaDIR K-stage unrolled loss plus the length loss.
 
@@ -192,6 +220,12 @@ def padir_loss(
     zeroed, optionally stutter re-masked) and is weighted on all non-pad targets, so the
     model learns to repair its own first-pass output as it must at inference. Each stage is
     normalised per token, stages are summed with equal weight, the length loss is added.
+
+    With `glancing_ratio` > 0 (GLAT), stage k > 1 also sees gold tokens where `glance`
+    reveals them (in proportion to stage k - 1's errors; the other positions keep its
+    argmax) and is weighted on the positions not revealed: a pass that was mostly wrong
+    learns from an easier input, one that was mostly right from its own output. The count
+    revealed is `tokens - weights_stage{k}`.
 
     Args:
       logits_fn: (hypothesis int32[B, T], stage) -> logits float[B, T, V]; `stage` (1-based,
@@ -202,6 +236,8 @@ def padir_loss(
       num_stages: K, static (1 in phase 1, 2 in phase 2).
       remask_stutter: re-mask stutter in the input of stages k > 1.
       label_smoothing: for the token cross-entropies (not the length loss).
+      glancing_ratio: in [0, 1], static; 0 turns glancing off.
+      rng: a PRNG key, needed by glancing (stage k draws from fold_in(rng, k)).
 
     Returns:
       (loss, metrics). Metrics are sums/counts: `loss`, `weights`, `accuracy` for stage 1;
@@ -210,6 +246,10 @@ def padir_loss(
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0.0 <= glancing_ratio <= 1.0:
+        raise ValueError(f"glancing_ratio must be in [0, 1], got {glancing_ratio}")
+    if glancing_ratio > 0 and rng is None:
+        raise ValueError("glancing needs an rng")
     non_pad = targets != PAD_ID
     hypothesis = noised_ids
     weights = noised_mask | (targets == EOS_ID)
@@ -219,6 +259,11 @@ def padir_loss(
         if stage > 1:
             hypothesis = next_stage_input(logits, targets, remask_stutter=remask_stutter)
             weights = non_pad
+            if glancing_ratio > 0:
+                revealed = glance(jax.random.fold_in(rng, stage), logits, targets,
+                                  glancing_ratio)  # [B, T]
+                hypothesis = jnp.where(revealed, targets, hypothesis)
+                weights = non_pad & ~revealed
         logits = logits_fn(hypothesis, stage)  # [B, T, V]
         total, count = cross_entropy(logits, targets, weights, label_smoothing)
         objective = objective + _normalise(total, count)

@@ -45,6 +45,9 @@ from model.transformer import (
 
 Batch = dict[str, jax.Array]
 Params = Any
+# Glancing draws from fold_in(rng, GLANCING_STREAM): the noise and dropout keys (a split of
+# rng) stay what they were without glancing.
+GLANCING_STREAM = 1
 
 
 def _init_inputs(batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -297,11 +300,13 @@ class PaDIRModel(_BaseModel):
         *,
         num_stages: int = 1,
         remask_stutter: bool = False,
+        glancing_ratio: float = 0.0,
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
 
-        `rng` drives the noise and dropout; `num_stages` and `remask_stutter` are static.
+        `rng` drives the noise, dropout and glancing; `num_stages`, `remask_stutter` and
+        `glancing_ratio` are static.
         """
         target = batch["target"]
         noise_rng, dropout_rng = jax.random.split(rng)
@@ -333,6 +338,8 @@ class PaDIRModel(_BaseModel):
             num_stages=num_stages,
             remask_stutter=remask_stutter,
             label_smoothing=self.label_smoothing,
+            glancing_ratio=glancing_ratio,
+            rng=jax.random.fold_in(rng, GLANCING_STREAM),
         )
 
     def encode(self, params: Params, source: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -3,8 +3,9 @@
 The model is anything with the small interface of model/models.py (`init(rng, batch)`,
 `loss_fn(params, batch, rng, *, deterministic, **loss_options) -> (loss, metric sums)`,
 `predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
-`loss_options` are a run's static loss settings (the student's `num_stages` and
-`remask_stutter`; none for the teacher), given as they are to `model.loss_fn`.
+`loss_options` are a run's static loss settings (the student's `num_stages`,
+`remask_stutter` and `glancing_ratio`; none for the teacher), given as they are to
+`model.loss_fn`.
 
 A run is `train(model, data, run, mesh)`: what it reads (`TrainData`), what it is asked to
 do (`RunSpec`: steps, optimizer, cadences, checkpoint directory, seed), and the mesh;
@@ -784,6 +785,7 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase2 = dataclasses.replace(
         phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
         seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
-        loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter),
+        loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
+                          glancing_ratio=cfg.glancing_ratio),
         log_dir=log_dir and f"{log_dir}/phase2")
     return train(model, data, phase2, mesh)

@@ -166,3 +166,106 @@ def test_ar_loss_normalises_per_token():
     loss, metrics = losses.ar_loss(logits, TARGETS)
     assert metrics["weights"] == NON_PAD.sum()
     np.testing.assert_allclose(loss, metrics["loss"] / metrics["weights"], rtol=1e-6)
+
+
+# --- glancing (GLAT) --------------------------------------------------------------------------
+
+
+def _answer_logits(argmax):
+    return jax.nn.one_hot(argmax, VOCAB) * 10.0
+
+
+def test_glance_reveals_the_rounded_ratio_of_errors_on_non_pad_positions():
+    # Row 0: 2 of 4 wrong; row 1: 2 of 2 wrong; row 2: all pad.
+    argmax = jnp.array([[7, 9, 9, 6, 0], [11, 11, 0, 0, 0], [5, 5, 5, 5, 5]])
+    logits = _answer_logits(argmax)
+    for ratio, counts in ((1.0, [2, 2, 0]), (0.5, [1, 1, 0]), (0.3, [1, 1, 0]), (0.2, [0, 0, 0])):
+        for seed in range(5):
+            revealed = np.asarray(losses.glance(jax.random.key(seed), logits, TARGETS, ratio))
+            np.testing.assert_array_equal(revealed.sum(axis=1), counts)
+            assert not np.any(revealed & ~NON_PAD)
+    # Which positions: uniform among the non-pad ones, wrong or not.
+    seen = np.zeros(TARGETS.shape)
+    for seed in range(60):
+        seen += np.asarray(losses.glance(jax.random.key(seed), logits, TARGETS, 0.5))
+    assert np.all(seen[0, :4] > 0) and np.all(seen[1, :2] > 0)
+
+
+def _glancing_loss(logits_fn, ratio, rng=jax.random.key(9)):
+    noised, mask = noise_targets(jax.random.key(0), TARGETS, vocab_size=VOCAB, first_real_id=6)
+    return losses.padir_loss(logits_fn, TARGETS, noised, mask, jnp.zeros((3, 5)),
+                             num_stages=2, glancing_ratio=ratio, rng=rng)
+
+
+def test_glancing_ratio_zero_is_the_two_stage_loss():
+    a = jax.random.normal(jax.random.key(1), (VOCAB,))
+    logits_fn = _toy_stage_logits(a, jnp.array(2.0))
+    loss, metrics = _padir_loss(logits_fn)
+    glancing_loss, glancing_metrics = _glancing_loss(logits_fn, 0.0)
+    assert float(glancing_loss) == float(loss)
+    assert jax.tree.map(float, glancing_metrics) == jax.tree.map(float, metrics)
+
+
+def test_a_wholly_wrong_first_pass_at_ratio_one_reveals_every_token():
+    wrong = jnp.where(TARGETS == 6, 7, 6)  # every non-pad position wrong
+    inputs = []
+
+    def logits_fn(hypothesis, stage):
+        inputs.append(hypothesis)
+        return _answer_logits(wrong if stage == 1 else hypothesis)
+
+    loss, metrics = _glancing_loss(logits_fn, 1.0)
+    stage2_input = np.asarray(inputs[1])
+    np.testing.assert_array_equal(stage2_input[NON_PAD], np.asarray(TARGETS)[NON_PAD])
+    assert metrics["weights_stage2"] == 0 and metrics["loss_stage2"] == 0
+
+
+def test_glancing_trains_stage_two_on_the_tokens_not_revealed():
+    # Stage 1 gets row 0's first token right and the 3 others wrong, row 1's both wrong.
+    first_pass = jnp.array([[7, 6, 6, 6, 0], [6, 6, 0, 0, 0], [0, 0, 0, 0, 0]])
+    inputs = []
+
+    def logits_fn(hypothesis, stage):
+        inputs.append(hypothesis)
+        return _answer_logits(first_pass) if stage == 1 else jnp.zeros(TARGETS.shape + (VOCAB,))
+
+    loss, metrics = _glancing_loss(logits_fn, 0.5, jax.random.key(4))
+    stage2_input = np.asarray(inputs[1])
+    # round(0.5 x 3) = 2 revealed in row 0, round(0.5 x 2) = 1 in row 1.
+    assert metrics["tokens"] - metrics["weights_stage2"] == 3
+    # Elsewhere stage 2 reads stage 1's argmax; uniform stage-2 logits cost log(V) per token.
+    kept = NON_PAD & (stage2_input != np.asarray(TARGETS))
+    np.testing.assert_array_equal(stage2_input[kept], np.asarray(first_pass)[kept])
+    np.testing.assert_allclose(metrics["loss_stage2"], metrics["weights_stage2"] * np.log(VOCAB),
+                               rtol=1e-5)
+    # Jitted, with the key as an argument: the same draw.
+    jitted_loss, jitted = jax.jit(lambda rng: _glancing_loss(logits_fn, 0.5, rng))(
+        jax.random.key(4))
+    assert float(jitted_loss) == pytest.approx(float(loss))
+    assert float(jitted["weights_stage2"]) == float(metrics["weights_stage2"])
+
+
+def test_glancing_is_validated():
+    logits_fn = _toy_stage_logits(jnp.zeros(VOCAB), jnp.array(2.0))
+    with pytest.raises(ValueError, match="glancing_ratio"):
+        _glancing_loss(logits_fn, 1.5)
+    with pytest.raises(ValueError, match="rng"):
+        _glancing_loss(logits_fn, 0.5, rng=None)
+
+
+def test_the_real_model_glances_under_jit_and_is_unchanged_without_it():
+    config = ModelConfig(d_model=16, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
+                         mlp_dim=32, dropout_rate=0.0, max_source_len=8, max_target_len=5)
+    model = PaDIRModel(config, VOCAB, first_real_id=6)
+    batch = {"source": jnp.array([[6, 7, EOS_ID], [8, EOS_ID, 0], [9, EOS_ID, 0]]),
+             "target": TARGETS}
+    params = jax.jit(model.init)(jax.random.key(1), batch)
+    loss_fn = jax.jit(model.loss_fn, static_argnames=("num_stages", "glancing_ratio"))
+    rng = jax.random.key(2)
+    plain, plain_metrics = loss_fn(params, batch, rng, num_stages=2)
+    off, off_metrics = loss_fn(params, batch, rng, num_stages=2, glancing_ratio=0.0)
+    assert float(off) == float(plain) and float(off_metrics["loss"]) == float(plain_metrics["loss"])
+    _, glanced = loss_fn(params, batch, rng, num_stages=2, glancing_ratio=1.0)
+    # An untrained model is mostly wrong: at ratio 1 it is shown most of the tokens.
+    assert glanced["weights_stage2"] < plain_metrics["weights_stage2"] == NON_PAD.sum()
+    assert float(glanced["loss"]) == float(plain_metrics["loss"])  # stage 1 untouched
