@@ -63,7 +63,7 @@ class FakeStages:
 def fake(monkeypatch):
     stages = FakeStages()
     monkeypatch.setattr(stages_lib, "run_stage", stages)
-    monkeypatch.setattr(pipeline, "stage_task",
+    monkeypatch.setattr(flow, "stage_task",
                         flow.stage_task.with_options(retry_delay_seconds=0))
     return stages
 
