@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 PYTHON ?= python3
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test benchmarks clean
+.PHONY: install demo test test-fast data clean
 
 # Reinstalls only when the pins change. constraints.txt fixes every package's version (the
 # launcher's and the Dataflow workers' environment are the same: Dockerfile).
@@ -24,8 +24,25 @@ demo: install
 	$(BIN)/padir run configs/demo.yaml
 	@echo "more: $(BIN)/padir status configs/demo.yaml; $(BIN)/padir report configs/demo.yaml"
 
+# The tests read Multi30k from PADIR_DATA_ROOT; without it, from the download cache, filled
+# first (en, de, fr; checksummed: docs/data.md). Tatoeba's tests need PADIR_DATA_ROOT.
+ifndef PADIR_DATA_ROOT
+test test-fast: export PADIR_DATA_ROOT := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/padir/data
+test test-fast: data
+endif
+
+data: install
+	$(BIN)/padir data fetch configs/multi30k_en_de.yaml
+	$(BIN)/padir data fetch configs/multi30k_en_fr.yaml
+
+# The whole suite (CI runs it).
 test: install
 	$(BIN)/pytest
+
+# The quick tier for development (a few minutes): skips the marks `slow` (tests of a minute
+# or more), `server` (a real Prefect server) and `dag` (the real stages on the tiny DAG).
+test-fast: install
+	$(BIN)/pytest -m "not slow and not server and not dag"
 
 clean:
 	rm -rf work .pytest_cache

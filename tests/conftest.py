@@ -27,6 +27,14 @@ atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
 
 
+def pytest_collection_modifyitems(items):
+    """A test on the tiny DAG's real stages (the `tiny_workdir` fixture) is marked `dag`, so
+    that `make test-fast` can leave those out."""
+    for item in items:
+        if "tiny_workdir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dag)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """A temporary Prefect API on loopback with a throwaway SQLite database."""

@@ -98,6 +98,7 @@ for model, num_stages in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 
 """
 
 
+@pytest.mark.slow  # about 2 minutes on 2 cores: 8 host devices in a child interpreter
 def test_sharded_train_step_matches_one_device(cache_dir):
     proc = toy.run_python(SHARDED_VS_SINGLE, cache_dir, devices=8)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

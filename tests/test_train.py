@@ -228,6 +228,7 @@ def test_teacher_trains_with_the_real_ar_model(tmp_path):
     assert np.isfinite(result.dev_metrics["loss"]) and "bleu" in result.dev_metrics
 
 
+@pytest.mark.slow  # about a minute on 2 cores: both phases of the real model
 def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
     from model.models import PaDIRModel
 
