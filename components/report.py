@@ -26,7 +26,9 @@ method and baseline, in which regime (batch 1 median and p99, batched throughput
 faster and in which it is not, with its BLEU against the baseline's.
 
 Plots (matplotlib, Agg backend, imported on use): BLEU against median latency per method,
-stutter per method, and latency against source length; one of each per test set.
+stutter per method, and latency against source length; one of each per test set. And the
+student's dev BLEU against its training steps (`dev_curve`, from its TensorBoard event
+files), so that a reader sees whether more training would pay.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import dataclasses
 import io
 import posixpath
 import statistics
-from typing import Any, Mapping, Optional, Sequence
+import struct
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from components import artifacts, metrics
 from components.config import DECODERS, DecodeMethod
@@ -43,6 +46,7 @@ from components.config import DECODERS, DecodeMethod
 BASELINE_KINDS = ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam")
 REGIMES = (("median", "batch 1 median"), ("p99", "batch 1 p99"), ("throughput", "batched"))
 PLOTS = ("bleu_vs_latency", "stutter", "latency_vs_length")
+DEV_CURVE_PLOT = "student_dev_bleu"  # plots/student_dev_bleu.png, when the curve is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,17 +191,64 @@ def result_dict(result: MethodResult, bases: Mapping[str, MethodResult]) -> dict
     }
 
 
-def training_summary(manifests: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def training_summary(manifests: Mapping[str, Mapping[str, Any]],
+                     dev_curves: Mapping[str, Sequence[Mapping[str, Any]]] = {}
+                     ) -> dict[str, Any]:
     """Training stage -> its manifest -> what the report says of it: the steps it trained
     (the last phase's, for the student), why it stopped early if it did (`stop_reason`:
-    "time budget" when `loop.max_minutes` cut it short), its dev figures."""
+    "time budget" when `loop.max_minutes` cut it short), its dev figures, and its
+    `dev_curve` where given (stage -> `dev_curve`'s list)."""
     summary = {}
     for stage, manifest in manifests.items():
         dev = manifest["metrics"].get("dev") or {}
         summary[stage] = {"steps": manifest["counts"].get("steps"),
                           "stop_reason": manifest["metrics"].get("stop_reason"),
                           "dev_bleu": dev.get("bleu"), "dev_bleu_tok_lc": dev.get("bleu_tok_lc")}
+        if dev_curves.get(stage):
+            summary[stage]["dev_curve"] = [dict(point) for point in dev_curves[stage]]
     return summary
+
+
+def dev_curve(artifact_uri: str, metric: str = "bleu") -> list[dict[str, Any]]:
+    """A student artifact's dev `metric` at every evaluation of both phases, read from its
+    TensorBoard event files (`tensorboard/phase{1,2}/`, tag `dev/{metric}`, as
+    model/train.py writes them): `[{"phase": 1, "step": 500, "bleu": 12.3}, ...]` in step
+    order. `step` counts both phases (phase 2's step s is phase 1's last step + s). A step
+    logged twice (a run resumed from an earlier checkpoint) keeps its latest value; a
+    record cut short (a killed writer) ends its file. [] without event files."""
+    curve, offset = [], 0
+    for phase in (1, 2):
+        fs, root = artifacts.filesystem(artifacts.join(artifact_uri, "tensorboard", f"phase{phase}"))
+        values: dict[int, tuple[float, float]] = {}  # step -> (wall time, value)
+        last_step = 0
+        for path in sorted(fs.glob(posixpath.join(root, "events.out.tfevents*"))):
+            with fs.open(path, "rb") as f:
+                for tag, step, wall_time, value in _scalars(f.read()):
+                    last_step = max(last_step, step)
+                    if tag == f"dev/{metric}" and wall_time >= values.get(step, (-1.0,))[0]:
+                        values[step] = (wall_time, value)
+        curve += [{"phase": phase, "step": offset + step, metric: values[step][1]}
+                  for step in sorted(values)]
+        offset += last_step
+    return curve
+
+
+def _scalars(data: bytes) -> Iterator[tuple[str, int, float, float]]:
+    """(tag, step, wall time, value) of every scalar in a TensorBoard event file: TFRecords
+    (length uint64, its CRC, the record, its CRC) of `Event` protos."""
+    from tensorboardX.proto import event_pb2  # the writer's own schema; no TensorFlow
+
+    offset = 0
+    while offset + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, offset)
+        end = offset + 12 + length
+        if end + 4 > len(data):
+            return
+        event = event_pb2.Event.FromString(data[offset + 12:end])
+        for value in event.summary.value:
+            if value.WhichOneof("value") == "simple_value":
+                yield value.tag, event.step, event.wall_time, value.simple_value
+        offset = end + 4
 
 
 def build_report(results: Mapping[str, Sequence[MethodResult]],
@@ -340,7 +391,21 @@ def _training_lines(training: Mapping[str, Any]) -> list[str]:
           f"{about['steps']:,}" if about["steps"] is not None else "–",
           _number(about["dev_bleu"]), _number(about["dev_bleu_tok_lc"])]
          for stage, about in training.items()], text_columns=2)
+    curve = (training.get("student") or {}).get("dev_curve")
+    if curve:
+        lines += ["", "The student's dev BLEU (PaDIR-4, the most likely length) at each "
+                  "evaluation, both phases:" + _last_gain(curve), "",
+                  f"![student dev BLEU](plots/{DEV_CURVE_PLOT}.png)"]
     return lines + [""]
+
+
+def _last_gain(curve: Sequence[Mapping[str, Any]]) -> str:
+    """" the last evaluation gained +0.80 BLEU over the 500 steps before it." (or "")."""
+    if len(curve) < 2:
+        return ""
+    before, last = curve[-2], curve[-1]
+    return (f" the last evaluation gained {last['bleu'] - before['bleu']:+.2f} BLEU over the "
+            f"{last['step'] - before['step']:,} steps before it.")
 
 
 def _batch_size(methods: Sequence[Mapping[str, Any]]) -> str:
@@ -360,10 +425,33 @@ def _save(figure, path: str) -> None:
         f.write(buffer.getvalue())
 
 
+def _plot_dev_curve(plt, curve: Sequence[Mapping[str, Any]], path: str) -> str:
+    """The student's dev BLEU against its steps, one line per phase, the phase boundary
+    dashed: whether the curve still rises when training stops."""
+    figure, axes = plt.subplots(figsize=(6.5, 4.0))
+    for phase, label in ((1, "phase 1 (one stage)"), (2, "phase 2 (unrolled)")):
+        points = [point for point in curve if point["phase"] == phase]
+        if points:
+            axes.plot([p["step"] for p in points], [p["bleu"] for p in points], marker="o",
+                      label=label)
+    first_phase2 = next((p["step"] for p in curve if p["phase"] == 2), None)
+    ends = [p["step"] for p in curve if p["phase"] == 1]
+    if first_phase2 is not None and ends:
+        axes.axvline(max(ends), color="gray", linestyle="--", linewidth=1)
+    axes.set(xlabel="training steps (both phases)", ylabel="dev sacreBLEU",
+             title="student: dev BLEU during training")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="lower right")
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
 def write_plots(report: Mapping[str, Any],
                 latency_records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
                 out_uri: str) -> list[str]:
-    """Writes `plots/{test_set}/{plot}.png` under `out_uri` (local or fsspec); their paths.
+    """Writes `plots/{test_set}/{plot}.png` under `out_uri` (local or fsspec), and
+    `plots/student_dev_bleu.png` when the report has the student's `dev_curve`; their paths.
 
     Args:
       latency_records: test set -> method -> its batch-1 decode records (latency against
@@ -375,6 +463,10 @@ def write_plots(report: Mapping[str, Any],
     import matplotlib.pyplot as plt
 
     written = []
+    curve = (report.get("training", {}).get("student") or {}).get("dev_curve")
+    if curve:
+        written.append(_plot_dev_curve(plt, curve, artifacts.join(
+            out_uri, "plots", f"{DEV_CURVE_PLOT}.png")))
     for test_set, entry in report["test_sets"].items():
         methods = entry["methods"]
         names = [m["method"] for m in methods]

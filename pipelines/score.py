@@ -18,6 +18,8 @@ Contract:
                           decoder passes, speedups over the AR greedy and beam baselines;
             report.md     the same as tables, with the plots;
             plots/{test_set}/{bleu_vs_latency,stutter,latency_vs_length}.png
+            plots/student_dev_bleu.png  the student's dev BLEU at each evaluation (its
+                          TensorBoard event files), when it has any
             manifest.json headline figures per test set and method.
   What each figure means: components/report.py and components/metrics.py.
 
@@ -82,10 +84,11 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],
                 timed, setting=settings.get(method, ""), target_lang=config.data.target_lang))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
-    training = {stage: artifacts.read(uri).manifest
-                for stage, uri in decoded.manifest["inputs"].items()
-                if stage in ("teacher", "student")}
-    content = report.build_report(results, report.training_summary(training))
+    models = {stage: uri for stage, uri in decoded.manifest["inputs"].items()
+              if stage in ("teacher", "student")}
+    training = {stage: artifacts.read(uri).manifest for stage, uri in models.items()}
+    curves = {"student": report.dev_curve(models["student"])} if "student" in models else {}
+    content = report.build_report(results, report.training_summary(training, curves))
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),
                          config=dag.section_values(config, "score"),
                          config_yaml=config_lib.dump(config),

@@ -352,6 +352,41 @@ def test_a_training_run_cut_short_by_its_time_budget_is_loud_in_the_report():
     assert "|---|---|---:|---:|---:|" in markdown  # names left, figures right
 
 
+def test_the_students_dev_curve_is_read_from_its_event_files_and_plotted(tmp_path):
+    from tensorboardX import SummaryWriter
+
+    def log(phase, points, suffix):
+        writer = SummaryWriter(str(tmp_path / "tensorboard" / f"phase{phase}"),
+                               filename_suffix=suffix)
+        for step, bleu in points:
+            writer.add_scalar("train/loss", 1.0, step)
+            writer.add_scalar("dev/bleu", bleu, step)
+        writer.close()
+
+    log(1, [(500, 5.0), (1000, 9.0)], ".a")
+    log(2, [(200, 10.0), (400, 12.0)], ".a")
+    log(2, [(400, 12.5)], ".b")  # resumed after a crash past its last checkpoint: later wins
+    with open(tmp_path / "tensorboard" / "phase2" / "events.out.tfevents.9.cut", "wb") as f:
+        f.write(b"\x40\x00\x00")  # a record cut short by a killed writer
+    curve = report.dev_curve(str(tmp_path))
+    assert curve == [{"phase": 1, "step": 500, "bleu": 5.0}, {"phase": 1, "step": 1000, "bleu": 9.0},
+                     {"phase": 2, "step": 1200, "bleu": 10.0},
+                     {"phase": 2, "step": 1400, "bleu": 12.5}]
+    assert report.dev_curve(str(tmp_path / "nothing")) == []
+    manifests = {"student": {"counts": {"steps": 400}, "metrics": {"stop_reason": None,
+                                                                   "dev": {"bleu": 12.5}}}}
+    content = report.build_report({}, report.training_summary(manifests, {"student": curve}))
+    markdown = report.render_markdown(content)
+    assert "gained +2.50 BLEU over the 200 steps before it" in markdown
+    assert "![student dev BLEU](plots/student_dev_bleu.png)" in markdown
+    [path] = report.write_plots(content, {}, str(tmp_path / "out"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    without = report.build_report({}, report.training_summary(manifests))
+    assert "dev_curve" not in without["training"]["student"]
+    assert "student_dev_bleu" not in report.render_markdown(without)
+
+
 def test_report_scores_agree_with_sacrebleu_on_real_text(config):
     pairs = list(corpus.read_split(_uri(config, "prepare"), "test2016"))[:40]
     references = [p["target"] for p in pairs]
