@@ -124,6 +124,14 @@ def _load_manifest(uri: str) -> dict[str, Any]:
         raise IncompleteArtifactError(
             f"{uri} is not a complete artifact (no {MANIFEST}); run its stage first"
         ) from None
+    except PermissionError:
+        raise
+    except OSError as e:
+        if not str(e).startswith("Forbidden"):  # gcsfs's 403; retryable errors were retried
+            raise
+        raise PermissionError(
+            f"permission denied: {join(uri, MANIFEST)} (this account may not read it)"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptManifestError(
             f"{uri}: {MANIFEST} does not parse ({e}); incomplete: run its stage again"
@@ -253,7 +261,8 @@ def _move_into_place(fs: fsspec.AbstractFileSystem, tmp_path: str, final_path: s
         return
     if fs.exists(final_path):
         fs.rm(final_path, recursive=True)
-    fs.mv(tmp_path, final_path, recursive=True)
+    if fs.exists(tmp_path):  # a bucket has no empty directories: nothing written, nothing moved
+        fs.mv(tmp_path, final_path, recursive=True)
 
 
 def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
@@ -286,10 +295,10 @@ def lease(workdir: str, stage: str, key: str) -> Iterator[None]:
 
     Locally the lease is an exclusive `flock` on `<stage>/.lease-<key>`, which holds the
     holder's host, pid and start time: the kernel releases it when the holder dies, and the
-    next run reports the dead holder it takes over from. On object stores (`gs://`) it is
-    an object created only if absent (a GCS generation precondition), renewed every
-    minute; one not renewed for `LEASE_STALE_SECONDS` belonged to a dead run and is
-    taken over.
+    next run reports the dead holder it takes over from. On `gs://` it is an object created
+    only if absent (a GCS generation precondition), renewed every minute; one not renewed
+    for `LEASE_STALE_SECONDS`, or held by a process of this host that no longer exists,
+    belonged to a run that died and is taken over.
 
     Raises:
       LeaseHeldError: one line naming the holder.
@@ -371,12 +380,12 @@ def _remote_lease(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Iterat
         previous, stale_generation = lease.read()
         if previous == holder:  # our own creation, retried after its answer was lost
             lease.generation = stale_generation
-        elif stale_generation is not None and \
-                time.time() - previous.get("renewed", 0.0) < LEASE_STALE_SECONDS:
+        elif stale_generation is not None and not _is_stale(previous):
             raise _held_error(name, previous)
         else:
             if stale_generation is not None:
-                log.warning("%s: taking over the stale lease of %s", name, _describe(previous))
+                log.warning("%s: taking over the lease of a run that died (%s)",
+                            name, _describe(previous))
                 if not lease.delete(stale_generation):
                     raise _held_error(name, lease.read()[0])
             if lease.create(holder) is None:
@@ -391,6 +400,24 @@ def _remote_lease(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Iterat
         renewer.join()
         if not lease.delete(lease.generation):
             log.warning("%s: the lease was taken over meanwhile; left to its new holder", name)
+
+
+def _is_stale(holder: Mapping[str, Any]) -> bool:
+    """Whether a remote lease's holder is gone: not renewed for `LEASE_STALE_SECONDS`, or
+    a process of this host that no longer exists (a killed run: its key is free at once,
+    as a local lock is, instead of ten minutes later)."""
+    if time.time() - holder.get("renewed", 0.0) >= LEASE_STALE_SECONDS:
+        return True
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 class _GcsLease:

