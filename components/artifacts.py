@@ -117,9 +117,8 @@ def read(uri: str) -> Artifact:
 
 def _load_manifest(uri: str) -> dict[str, Any]:
     fs, path = filesystem(uri)
-    try:
-        with fs.open(join(path, MANIFEST), "r") as f:
-            manifest = json.load(f)
+    try:  # one read, no listing: gcsfs answers `open` from listings it cached earlier
+        manifest = json.loads(fs.cat_file(join(path, MANIFEST)))
     except FileNotFoundError:
         raise IncompleteArtifactError(
             f"{uri} is not a complete artifact (no {MANIFEST}); run its stage first"

@@ -24,6 +24,7 @@ TensorFlow is imported on first use only: the writer needs its protos and record
 from __future__ import annotations
 
 import math
+import struct
 from typing import Mapping, Optional, Sequence
 
 from components import artifacts
@@ -109,12 +110,23 @@ def serialize_example(pair_id: str, source: Sequence[int], target: Sequence[int]
 
 
 def write_shard(path: str, serialized: Sequence[bytes]) -> None:
-    """A TFRecord shard of serialized Examples (local or gs://)."""
-    import tensorflow as tf
+    """A TFRecord shard of serialized Examples (local or gs://), framed here and written
+    through fsspec: TensorFlow's own writer would reach gs:// through its GCS client, whose
+    endpoint is compiled in (docs/gcs.md). The bytes are those of `tf.io.TFRecordWriter`."""
+    import fsspec
 
-    with tf.io.TFRecordWriter(path) as writer:
+    with fsspec.open(path, "wb") as f:
         for example in serialized:
-            writer.write(example)
+            length = struct.pack("<Q", len(example))
+            f.write(length + _masked_crc(length) + example + _masked_crc(example))
+
+
+def _masked_crc(data: bytes) -> bytes:
+    """TFRecord's checksum: CRC-32C, rotated right by 15 bits plus a constant."""
+    import google_crc32c
+
+    crc = google_crc32c.value(data)
+    return struct.pack("<I", (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF)
 
 
 def summarize_lengths(histogram: Mapping[int, int]) -> dict:

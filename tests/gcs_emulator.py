@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import email.parser
 import http.client
 import http.server
 import json
@@ -34,6 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -236,9 +238,11 @@ class FaultProxy:
     """A plain-HTTP reverse proxy on loopback in front of the emulator: clients pointed at
     `url` reach the emulator, except for the requests a queued `Fault` answers first.
 
-    It also checks what fake-gcs-server ignores and GCS documents: `ifGenerationMatch` on
-    an object's GET and DELETE (a mismatch is 412; the emulator checks it on multipart
-    uploads only)."""
+    It also does what fake-gcs-server lacks and GCS documents: it checks `ifGenerationMatch`
+    on an object's GET and DELETE (a mismatch is 412; the emulator checks it on multipart
+    uploads only), and it answers batch requests (`/batch/storage/v1`, which Beam's GcsIO
+    sends to copy and delete the files its sinks finalize) by sending their parts one by
+    one."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
@@ -256,6 +260,9 @@ class FaultProxy:
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self.path.startswith("/batch/"):
+                    self._batch(body)
+                    return
                 fault = proxy._take(self.command, self.path)
                 if fault is None and self._precondition_fails():
                     fault = Fault(self.command, self.path, 412, 1)
@@ -276,6 +283,30 @@ class FaultProxy:
                                              "content-length")}
                 self._reply(response.status, kept, data)
                 connection.close()
+
+            def _batch(self, body: bytes) -> None:
+                message = email.parser.Parser().parsestr(
+                    f"Content-Type: {self.headers['Content-Type']}\n\n{body.decode()}")
+                boundary = f"batch_{uuid.uuid4().hex}"
+                answer = []
+                for index, part in enumerate(message.get_payload()):
+                    text = part.get_payload().replace("\r\n", "\n")  # gcsfs sends "\n"
+                    request_line, _, rest = text.lstrip("\n").partition("\n")
+                    method, uri, _ = request_line.split(" ", 2)
+                    head, _, sub_body = rest.partition("\n\n")
+                    headers = dict(line.split(": ", 1) for line in head.split("\n") if line)
+                    path = urllib.parse.urlsplit(uri)
+                    status, data = proxy.send(method, path.path + (f"?{path.query}"
+                                                                   if path.query else ""),
+                                              sub_body.encode(), headers)
+                    answer.append(f"--{boundary}\r\nContent-Type: application/http\r\n"
+                                  f"Content-ID: <response-{index}>\r\n\r\n"
+                                  f"HTTP/1.1 {status} {http.client.responses[status]}\r\n"
+                                  f"Content-Type: application/json\r\n\r\n"
+                                  f"{data.decode()}\r\n")
+                answer.append(f"--{boundary}--\r\n")
+                self._reply(200, {"Content-Type": f"multipart/mixed; boundary={boundary}"},
+                            "".join(answer).encode())
 
             def _precondition_fails(self) -> bool:
                 url = urllib.parse.urlsplit(self.path)
@@ -306,6 +337,18 @@ class FaultProxy:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def send(self, method: str, path: str, body: bytes,
+             headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """One request to the emulator, past the faults."""
+        connection = http.client.HTTPConnection(self.upstream, timeout=60)
+        kept = {k: v for k, v in headers.items()
+                if k.lower() not in ("host", "connection", "content-length")}
+        connection.request(method, path, body=body or None, headers=kept)
+        response = connection.getresponse()
+        data = response.read()
+        connection.close()
+        return response.status, data
 
     def fail(self, method: str, path_part: str, status: int, times: int = 1,
              after: int = 0) -> Fault:
