@@ -16,6 +16,7 @@ from components import artifacts, dag
 from components import config as config_lib
 from flows import cli, flow, plan
 from flows import stages as stages_lib
+from gcs_emulator import gcs, gcs_server  # noqa: F401 (fixtures)
 from tiny_experiment import tiny_config
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -250,8 +251,8 @@ def test_a_complete_artifact_built_outside_prefect_is_adopted_not_recomputed(fak
     assert set(task_states(again, len(dag.STAGES)).values()) == {"Cached"}
 
 
-def test_a_remote_workdir_keeps_its_cache_records_next_to_its_artifacts(fake, tmp_path):
-    workdir = f"memory://padir-test-{tmp_path.name}/work"  # any fsspec URL, as gs:// is
+def test_a_remote_workdir_keeps_its_cache_records_next_to_its_artifacts(fake, gcs, tmp_path):
+    workdir = gcs.uri(tmp_path.name, "work")  # a bucket of the GCS emulator
     path = tmp_path / "remote.yaml"
     path.write_text(f"workdir: {workdir}\n"
                     "data: {source_lang: en, target_lang: de,\n"
