@@ -1,0 +1,49 @@
+"""benchmarks/student_recipe.py on the tiny Multi30k slice: two arms of a few seconds each."""
+
+import json
+
+import pytest
+
+from benchmarks import student_recipe
+from components import config as config_lib
+from tiny_experiment import ensure, tiny_config
+
+
+def test_plan_steps_fill_the_budget_at_each_phases_step_time():
+    # 630 s, phase 1 at 0.1 s, phase 2 at 0.2 s, 2 of 7 steps in phase 2: 3500 x 0.1 s
+    # + 1400 x 0.2 s.
+    assert student_recipe.plan_steps(630.0, 0.1, 0.2, 2 / 7) == (3500, 1400)
+    assert student_recipe.plan_steps(600.0, 0.1, 0.2, 0.0) == (6000, 0)
+    assert student_recipe.plan_steps(0.1, 0.1, 0.2, 0.5) == (2, 2)  # never fewer than 2
+
+
+@pytest.mark.slow  # 1-3 minutes on 2 cores: each arm's probe and phases compile
+def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, capsys):
+    # The student learns the original pairs: a 3-step teacher's translations never reach
+    # EOS, so distillation would reject them all (tests/test_training_stages.py). One length
+    # bucket: one compilation per phase, so that the arms' few seconds are mostly steps.
+    config = tiny_config(tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]")
+    ensure(config, "prepare", "vocab")
+    path = tmp_path / "tiny.yaml"
+    path.write_text(config_lib.dump(config))
+    out = tmp_path / "rows.json"
+    assert student_recipe.main(["--config", str(path), "--arms", "base,glancing_0.5",
+                                "--minutes-per-arm", "0.03", "--json", str(out),
+                                "--max-dev-sentences", "8"]) == 0
+    rows = json.loads(out.read_text())["arms"]
+    assert [row["arm"] for row in rows] == ["base", "glancing_0.5"]
+    for row in rows:
+        planned = row["planned_steps"]
+        assert row["phase2_fraction"] == 0.5  # the tiny config's 2 + 2 steps
+        assert planned["phase1"] >= 2 and planned["phase2"] >= 2
+        assert row["steps_reached"] == planned["phase1"] + planned["phase2"]
+        assert row["stop_reason"] is None and row["dev_sentences"] == 8
+        for figure in ("dev_bleu_padir_4", "dev_bleu_mask_predict_10", "stutter_pct",
+                       "exact_length_pct"):
+            assert 0 <= row[figure] <= 100
+    assert rows[0]["student"] != rows[1]["student"]  # one student per arm
+    table = capsys.readouterr().out
+    assert "| base | (config as is) | 0.5 |" in table
+    assert "| glancing_0.5 | student.glancing_ratio=0.5 |" in table
+    with pytest.raises(SystemExit):
+        student_recipe.main(["--config", str(path), "--arms", "base,nonsense"])
