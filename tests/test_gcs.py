@@ -206,7 +206,7 @@ def test_a_beam_stage_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(
         fs.invalidate_cache()
         names = fs.ls(stage_path, detail=False) if fs.exists(stage_path) else []
         if any(name.endswith(f"/.lease-{key}") for name in names):  # under way: kill it
-            time.sleep(1.0)
+            time.sleep(0.3)  # inside the Beam job (it runs for seconds after the lease)
             os.killpg(process.pid, signal.SIGKILL)
             break
         time.sleep(0.05)
