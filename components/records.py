@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from components import artifacts
 from components.tokenizer import EOS_ID
@@ -119,6 +119,28 @@ def write_shard(path: str, serialized: Sequence[bytes]) -> None:
         for example in serialized:
             length = struct.pack("<Q", len(example))
             f.write(length + _masked_crc(length) + example + _masked_crc(example))
+
+
+def read_records(path: str) -> Iterator[bytes]:
+    """The records of a TFRecord shard (local or gs://) in order, checksums checked: read
+    through fsspec, as `write_shard` writes them, since TensorFlow's reader would reach gs://
+    through its GCS client (docs/gcs.md).
+
+    Raises:
+      ValueError: a record is truncated or fails its checksum (names the file).
+    """
+    import fsspec
+
+    with fsspec.open(path, "rb") as f:
+        while header := f.read(12):
+            length, data, footer = header[:8], b"", b""
+            if len(header) == 12 and _masked_crc(length) == header[8:]:
+                data = f.read(struct.unpack("<Q", length)[0])
+                footer = f.read(4)
+            if len(footer) != 4 or _masked_crc(data) != footer:
+                raise ValueError(f"{path}: a truncated or corrupt TFRecord at byte "
+                                 f"{f.tell() - len(header) - len(data) - len(footer)}")
+            yield data
 
 
 def _masked_crc(data: bytes) -> bytes:

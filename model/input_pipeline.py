@@ -1,5 +1,10 @@
 """Training and evaluation batches from the encode stage's TFRecord shards (tf.data).
 
+Reading. The shards' records are read through fsspec (`records.read_records`, local or gs://)
+and handed to tf.data in vectors, as `tf.data.TFRecordDataset(files).batch(n)` would yield
+them: TensorFlow's own GCS client has Google's endpoint compiled in, so no emulator can stand
+in for a bucket under it (docs/gcs.md), and one reader serves both.
+
 Shapes. Every batch has one of a few static shapes: an example goes to the smallest bucket
 boundary L >= max(len(source), len(target)), and bucket i batches `batch_sizes[i]` examples
 into int32 `source` and `target` arrays of shape [batch_sizes[i], L], right-padded with PAD
@@ -49,7 +54,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
-from components import records
+from components import artifacts, records
 from components.tokenizer import PAD_ID
 
 Batch = dict[str, np.ndarray]
@@ -71,7 +76,8 @@ def split_files(artifact_uri: str, split: str) -> list[str]:
       FileNotFoundError: the artifact has no shards for `split`.
     """
     pattern = records.split_pattern(artifact_uri, split)
-    files = sorted(tf.io.gfile.glob(pattern))
+    fs, path = artifacts.filesystem(pattern)
+    files = [fs.unstrip_protocol(file) for file in sorted(fs.glob(path))]
     if not files:
         raise FileNotFoundError(f"no encoded shards match {pattern}")
     return files
@@ -109,6 +115,26 @@ def _process_rows(batch: Batch, process_index: int, process_count: int) -> Batch
     rows = len(batch["source"]) // process_count
     return {name: value[process_index * rows:(process_index + 1) * rows]
             for name, value in batch.items()}
+
+
+def _record_windows(files: Sequence[str] | tf.Tensor, size: int) -> tf.data.Dataset:
+    """The serialized records of `files`, in file order, as string vectors of `size` (the
+    last one shorter): what `tf.data.TFRecordDataset(files).batch(size)` yields. `files`
+    may be a tensor (inside a `flat_map`)."""
+
+    def windows(paths, size):
+        window = []
+        for path in paths:
+            for record in records.read_records(path.decode("utf-8")):
+                window.append(record)
+                if len(window) == size:
+                    yield np.array(window, dtype=object)
+                    window = []
+        if window:
+            yield np.array(window, dtype=object)
+
+    return tf.data.Dataset.from_generator(
+        windows, args=(files, size), output_signature=tf.TensorSpec([None], tf.string))
 
 
 def _options() -> tf.data.Options:
@@ -215,7 +241,7 @@ class TrainingStream:
         if self._bucket_counts is None:
             features = {name: tf.io.FixedLenFeature([], tf.int64)
                         for name in ("source_length", "target_length")}
-            lengths = (tf.data.TFRecordDataset(list(self.files)).batch(_PARSE_BATCH)
+            lengths = (_record_windows(list(self.files), _PARSE_BATCH)
                        .map(lambda rows: tf.io.parse_example(rows, features))
                        .with_options(_options()))
             counts = np.zeros(len(self.boundaries) + 1, np.int64)
@@ -248,8 +274,7 @@ class TrainingStream:
             return _parse(window, with_id=False, max_len=self.boundaries[-1])
 
         examples = (
-            tf.data.TFRecordDataset(files)
-            .batch(self.shuffle_window)
+            _record_windows(files, self.shuffle_window)
             .enumerate()
             .map(shuffle_and_parse)
             .unbatch()
@@ -288,9 +313,8 @@ class TrainingStream:
 def read_pairs(files: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Every (source ids, target ids) pair of the shards, EOS included, in file order."""
     examples = (
-        tf.data.TFRecordDataset(sorted(files))
-        .batch(_PARSE_BATCH)
-        .map(lambda records: _parse(records, with_id=False, max_len=np.iinfo(np.int32).max))
+        _record_windows(sorted(files), _PARSE_BATCH)
+        .map(lambda window: _parse(window, with_id=False, max_len=np.iinfo(np.int32).max))
         .unbatch()
     )
     for example in examples.with_options(_options()).as_numpy_iterator():
@@ -311,9 +335,8 @@ def eval_batches(files: Sequence[str], *, boundaries: Sequence[int], batch_sizes
     """
     _check_buckets(boundaries, batch_sizes, process_index, process_count)
     examples = (
-        tf.data.TFRecordDataset(sorted(files))
-        .batch(_PARSE_BATCH)
-        .map(lambda records: _parse(records, with_id=True, max_len=max(boundaries)),
+        _record_windows(sorted(files), _PARSE_BATCH)
+        .map(lambda window: _parse(window, with_id=True, max_len=max(boundaries)),
              num_parallel_calls=_PARALLEL_PARSES)
         .unbatch()
         .map(_as_tensors)
