@@ -20,9 +20,10 @@ from components import config as config_lib
 from components.corpus import CorpusError
 from flows import local_api, stages
 
-# Errors that mean "the input is wrong", reported as one line rather than a traceback.
+# Errors that mean "the input is wrong", reported as one line rather than a traceback; a
+# PermissionError names the file or object (a 403 on a bucket: artifacts.py).
 USER_ERRORS = (config_lib.ConfigError, CorpusError, datasets.FetchError,
-               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError)
+               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError, PermissionError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -287,3 +287,21 @@ def test_a_permission_error_names_the_object(gcs_faults):
     message = str(raised.value)
     assert "\n" not in message and message.startswith(
         f"permission denied: {artifacts.join(artifacts.location(workdir, 'vocab', 'k'), 'manifest.json')}")
+
+
+def test_a_403_in_the_cli_is_one_line_naming_the_object(gcs_faults, tmp_path, capsys):
+    from flows import cli
+
+    gcs, proxy = gcs_faults
+    path = tmp_path / "experiment.yaml"
+    path.write_text(f"workdir: {gcs.uri(uuid.uuid4().hex[:8], 'work')}\n"
+                    "data: {source_lang: en, target_lang: de,\n"
+                    "       train: {source: unused.en, target: unused.de}}\n")
+    config = config_lib.load(str(path))
+    proxy.fail("GET", "manifest.json", 403, times=100)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["status", str(path)])
+    assert exited.value.code == 2
+    manifest = artifacts.join(dag.output_uri(config, "prepare"), "manifest.json")
+    assert capsys.readouterr().err == \
+        f"padir: error: permission denied: {manifest} (this account may not read it)\n"
