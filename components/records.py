@@ -18,7 +18,8 @@ what training pads it to, in the encode stage's figures) and a decoded batch's s
 (`decoder_shape`: model/translator.py pads to it, pipelines/batching.py groups by it).
 
 The element logic here is plain Python (the Beam job wraps it; tests call it directly).
-TensorFlow is imported on first use only: the writer needs its protos and record writer.
+TensorFlow is imported on first use only: `serialize_example` needs its protos. Shards are
+framed here, written and read through fsspec (`write_shard`, `read_records`; docs/gcs.md).
 """
 
 from __future__ import annotations

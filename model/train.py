@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import logging
 import math
 import sys
@@ -709,12 +710,46 @@ def _format(metrics: Mapping[str, float]) -> str:
 
 def _summary_writer(log_dir: Optional[str]):
     """TensorBoard event files via tensorboardX: no TensorFlow import in the training loop
-    (flax.metrics.tensorboard needs TF, heavy and a second claimant of accelerators)."""
+    (flax.metrics.tensorboard needs TF, heavy and a second claimant of accelerators); on
+    gs:// through fsspec (`_BucketEventFile`)."""
     if log_dir is None:
         return None
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter, record_writer
 
+    record_writer.register_writer_factory("gs", _BucketEventFile)
     return SummaryWriter(log_dir)
+
+
+class _BucketEventFile:
+    """An event file on a bucket, for tensorboardX: the whole file uploaded through fsspec
+    at every flush (what was logged outlives a killed run), and nothing once closed.
+    tensorboardX's own GCS writer uploads once more when garbage-collected, into an
+    artifact's temporary folder that by then has been published (or a server long gone)."""
+
+    def __init__(self, path: str):
+        self.path, self.buffer = path, io.BytesIO()
+
+    @classmethod
+    def open(cls, path: str) -> "_BucketEventFile":  # the writer-factory interface
+        return cls(path)
+
+    @staticmethod
+    def directory_check(path: str) -> None:  # objects need no folders
+        pass
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        if self.buffer is not None:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(self.path)
+            fs.pipe_file(path, self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+        self.buffer = None
 
 
 def _write(writer, prefix: str, metrics: Mapping[str, float], step: int) -> None:

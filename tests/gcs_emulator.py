@@ -257,6 +257,12 @@ class FaultProxy:
             def log_message(self, *args):
                 pass
 
+            def handle(self):
+                try:
+                    super().handle()
+                except ConnectionError:  # a client that hung up mid-answer (a read cut short)
+                    pass
+
             def _forward(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""

@@ -18,7 +18,9 @@ import pytest
 from benchmarks import faults
 from components import artifacts, dag
 from components import config as config_lib
+from flows import flow
 from gcs_emulator import gcs, gcs_faults, gcs_server  # noqa: F401 (fixtures)
+from test_flow import FAST, task_states
 from tiny_experiment import DATA_ROOT, ensure, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,12 +126,12 @@ def test_a_lease_taken_over_is_neither_renewed_nor_released_by_its_old_holder(gc
 # --- the data stages on gs:// --------------------------------------------------------------
 
 
-def _gs_config(gcs, tmp_path) -> config_lib.Config:
+def _gs_config(gcs, tmp_path, *overrides: str) -> config_lib.Config:
     """The tiny experiment with its workdir and its training corpus in the bucket."""
     root = gcs.uri(uuid.uuid4().hex[:8])
     tmp_path.mkdir(parents=True, exist_ok=True)
     corpus = {side: f"{root}/corpora/train.{side}.gz" for side in ("en", "de")}
-    config = tiny_config(str(tmp_path), "data.test=[]", f"workdir={root}/work",
+    config = tiny_config(str(tmp_path), "data.test=[]", *overrides, f"workdir={root}/work",
                          f"data.train.source={corpus['en']}",
                          f"data.train.target={corpus['de']}")
     for side, uri in corpus.items():
@@ -229,6 +231,82 @@ def test_a_beam_stage_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(
     assert artifacts.leftovers(config.workdir, ["prepare"]) == []
 
 
+# --- the whole DAG on gs:// ----------------------------------------------------------------
+
+
+def _gs_dag(gcs, tmp_path, *overrides: str) -> tuple[config_lib.Config, str]:
+    """test_flow's fast tiny DAG with its workdir and training corpus in the bucket, and
+    the path of its config file."""
+    config = _gs_config(gcs, tmp_path, *FAST, *overrides)
+    path = tmp_path / "gs.yaml"
+    path.write_text(config_lib.dump(config))
+    return config, str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")
+def test_the_dag_on_gs_equals_local_disk_and_reruns_cached(gcs_faults, tmp_path, monkeypatch,
+                                                           capsys):
+    from flows import cli, plan
+    from flows import stages as stages_lib
+
+    gcs, _ = gcs_faults  # the proxy answers Beam's batch requests
+    for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED", "PREFECT_SERVER_ANALYTICS_ENABLED"):
+        monkeypatch.delenv(name, raising=False)  # `padir run` sets them; restored afterwards
+    remote, path = _gs_dag(gcs, tmp_path / "gs")
+    order = plan.topological_order(dag.graph(remote))
+    assert cli.main(["run", path]) == 0
+    out = capsys.readouterr().out
+    assert all(dag.output_uri(remote, stage) in out for stage in order)
+    report = plan.report_path(remote)
+    assert report.startswith("gs://") and f"report: {report}" in out
+
+    assert cli.main(["status", path]) == 0
+    status = capsys.readouterr().out
+    assert f"{len(order)} of {len(order)} stages complete" in status
+    assert "leftovers" not in status
+    assert cli.main(["report", path]) == 0
+    fs, report_path = artifacts.filesystem(report)
+    assert capsys.readouterr().out == f"{report}\n\n{fs.cat_file(report_path).decode()}\n"
+
+    ran = []
+    monkeypatch.setattr(stages_lib, "run_stage", lambda name, *args, **kwargs: ran.append(name))
+    state = flow.padir_pipeline(path, [], return_state=True)
+    assert state.is_completed() and ran == []
+    assert task_states(state, len(order)) == {stage: "Cached" for stage in order}
+    monkeypatch.undo()
+
+    (tmp_path / "local").mkdir()
+    local = tiny_config(str(tmp_path / "local"), *FAST)
+    ensure(local, *order)
+    for stage in order:
+        want = dag.output_uri(local, stage)
+        got = _download(dag.output_uri(remote, stage), str(tmp_path / "got" / stage))
+        differ = faults.differences(stage, want, got)
+        if stage == "vocab":  # the model records where it was trained (see above)
+            differ.remove("spm.model")
+        differ = [path for path in differ if not _same_but_commit_markers(want, got, path)]
+        assert differ == ["config.yaml", "manifest.json"], (stage, differ)
+    with open(tmp_path / "got" / "score" / "report.json") as f:  # from the bucket's event files
+        assert json.load(f)["training"]["student"]["dev_curve"]
+
+
+def _same_but_commit_markers(want: str, got: str, item: str) -> bool:
+    """Whether two checkpoint items hold the same files, apart from orbax's commit markers,
+    which name the path they were written to."""
+    def files(root: str) -> dict[str, bytes]:
+        found = {}
+        for folder, _, names in os.walk(root):
+            for name in names:
+                if name != "commit_success.txt":
+                    with open(os.path.join(folder, name), "rb") as f:
+                        found[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+        return found
+
+    a, b = os.path.join(want, item), os.path.join(got, item)
+    return item.startswith("checkpoints/") and os.path.isdir(a) and files(a) == files(b)
+
+
 # --- checkpoints ---------------------------------------------------------------------------
 
 
@@ -256,6 +334,61 @@ def test_a_checkpoint_saved_to_gs_restores_bitwise(gcs):
                          jax.tree_util.tree_leaves(restored.state)):
         assert np.asarray(want).dtype == np.asarray(got).dtype
         assert np.array_equal(np.asarray(want), np.asarray(got))
+
+
+# The teacher stage with a pause after each batch, so that a kill lands between checkpoints.
+SLOW_STAGE = """
+import sys, time
+from flows import cli
+from model import input_pipeline
+batches = input_pipeline.TrainingStream.batches
+def slowly(self, start_position=0):
+    for item in batches(self, start_position):
+        time.sleep(0.3)
+        yield item
+input_pipeline.TrainingStream.batches = slowly
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_teacher_killed_on_gs_resumes_bitwise_from_the_bucket(gcs_faults, tmp_path):
+    gcs, _ = gcs_faults
+    config, path = _gs_dag(gcs, tmp_path, "teacher.steps=12")
+    ensure(config, *DATA_STAGES)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    uninterrupted = _cli(env, "stage", "teacher", path)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    final = dag.output_uri(config, "teacher")
+    reference = _download(final, str(tmp_path / "reference"))
+    fs, _ = artifacts.filesystem(final)
+    fs.rm(artifacts.filesystem(final)[1], recursive=True)
+
+    key = dag.stage_key(config, "teacher")
+    partial = artifacts.join(config.workdir, "teacher", f".partial-{key}", "checkpoints")
+    committed = artifacts.filesystem(partial)[1] + "/*/commit_success.txt"  # orbax on GCS
+    process = subprocess.Popen([sys.executable, "-c", SLOW_STAGE, "stage", "teacher", path],
+                               cwd=REPO, env=env, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while process.poll() is None and time.monotonic() < deadline:
+        fs.invalidate_cache()
+        if fs.glob(committed):  # a checkpoint is in the bucket: kill before the next
+            os.killpg(process.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the stage ended before it was killed"
+    fs.invalidate_cache()
+    steps = sorted(int(name.split("/")[-2]) for name in fs.glob(committed))
+    assert steps and max(steps) < 12
+
+    resumed = _cli(env, "stage", "teacher", path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step {max(steps)}" in resumed.stdout + resumed.stderr
+    got = _download(final, str(tmp_path / "resumed"))
+    assert faults.differences("teacher", reference, got) == []
+    assert artifacts.leftovers(config.workdir, ["teacher"]) == []
 
 
 # --- what a bucket answers with ------------------------------------------------------------
