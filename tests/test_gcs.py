@@ -1,8 +1,9 @@
 """The pipeline on `gs://` through the real clients (gcsfs, Beam's GcsIO, orbax/tensorstore)
 against fake-gcs-server on loopback (tests/gcs_emulator.py): the server's preconditions, the
 lease between processes, the data stages with their corpora in the bucket (the same files,
-byte for byte, as on local disk), a Beam stage SIGKILLed and rerun, checkpoints, and the
-errors a bucket answers with. What the emulator cannot show: docs/gcs.md.
+byte for byte, as on local disk), a Beam stage SIGKILLed and rerun, the whole tiny DAG
+through `padir run` (equal to local disk's, rerun all Cached), checkpoints (the teacher
+SIGKILLed and resumed bitwise from the bucket), and the errors a bucket answers with. What the emulator cannot show: docs/gcs.md.
 """
 
 import json
