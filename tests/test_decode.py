@@ -29,7 +29,7 @@ from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import ctranslate2_search, translator, shortlist
+from model import ctranslate2_search, input_pipeline, shortlist, translator
 from pipelines import decode
 from pipelines import model_handler
 from tiny_experiment import ensure, publish_untrained, tiny_config
@@ -238,9 +238,9 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     pairs = [(np.array(loaded.tokenizer.encode([pair["source"]])[0]),
               np.array(loaded.tokenizer.encode([pair["target"]])[0]))
              for pair in corpus.read_split(dag.output_uri(config, "prepare"), "train")]
-    monkeypatch.setattr(translator.input_pipeline, "split_files",
+    monkeypatch.setattr(input_pipeline, "split_files",
                         lambda uri, split: read.append(uri) or [uri])
-    monkeypatch.setattr(translator.input_pipeline, "read_pairs", lambda files: iter(pairs))
+    monkeypatch.setattr(input_pipeline, "read_pairs", lambda files: iter(pairs))
     decoder = translator.Translator(loaded, DecodeMethod("g_short", "ar_greedy",
                                                          shortlist=True),
                                     batch_size=1, boundaries=BUCKETS)

@@ -36,9 +36,9 @@ def sources(config, loaded):
 def test_the_length_heads_lengths_decode_as_the_decode_stage_does(loaded, sources):
     tokens, predicted = student_gap.refine_at(loaded, sources, iterations=2, boundaries=BUCKETS)
     method = DecodeMethod("padir_2", "padir", iterations=2)
-    translator = translator.Translator(loaded, method, batch_size=student_gap.BATCH_SIZE,
+    decoder = translator.Translator(loaded, method, batch_size=student_gap.BATCH_SIZE,
                                       boundaries=BUCKETS)
-    assert tokens == [t.tokens for t in translator.translate(sources)]
+    assert tokens == [t.tokens for t in decoder.translate(sources)]
     assert [len(ids) for ids in tokens] == predicted  # EOS at the predicted length
 
 

@@ -30,7 +30,7 @@ def config(tiny_workdir):
 def test_every_stage_runs_in_order_and_publishes(config, caplog):
     ensure(config, "prepare", "vocab")  # the session's; test_prepare and test_vocab run them
     for stage in ("prepare", "vocab", "encode", "teacher", "student"):
-        with caplog.at_level(logging.INFO, logger="model"):
+        with caplog.at_level(logging.INFO, logger=""):
             artifact = (artifacts.read(dag.output_uri(config, stage))
                         if stage in ("prepare", "vocab") else run_stage(stage, config))
         assert artifact.uri == dag.output_uri(config, stage)
