@@ -408,7 +408,12 @@ class DistillConfig:
     (`beam_size`, GNMT `length_penalty`) and the student trains on these targets (stages
     `distill`, then `encode_distilled`); without, it trains on the original pairs, like
     the teacher, and neither stage runs. Sources are decoded `batch_size` at a time, each
-    batch of one decoder shape and sorted by length (pipelines/distill.py).
+    batch of one decoder shape and sorted by length (pipelines/distill.py), by `engine`:
+    `jax`, our jitted beam search (`ar_beam`), or `ctranslate2`, the teacher exported to
+    CTranslate2 (`ct2_beam`, float32; about 6x our batched CPU throughput), whose beam
+    search normalises by length ** length_penalty instead of GNMT's penalty, so that above
+    0 a sentence may end on another hypothesis. Either way the written score is the
+    teacher's summed log-probability (components/distillation.py `log_prob`).
 
     Every pair is kept or rejected with its reason (components/distillation.py): always
     `empty`, `unfinished` (no EOS within the output width) and `source_too_long` (cut to
@@ -418,6 +423,7 @@ class DistillConfig:
     """
 
     enabled: bool = True
+    engine: Literal["jax", "ctranslate2"] = "jax"
     beam_size: int = 4
     length_penalty: float = 0.6
     batch_size: int = 64
@@ -425,6 +431,8 @@ class DistillConfig:
     min_token_log_prob: Optional[float] = None
 
     def __post_init__(self):
+        if self.engine not in ("jax", "ctranslate2"):  # also when built in code, not parsed
+            raise ConfigError(f"distill.engine: 'jax' or 'ctranslate2', not {self.engine!r}")
         if self.beam_size < 1 or self.batch_size < 1:
             raise ConfigError("distill.beam_size and distill.batch_size must be >= 1")
         if self.length_penalty < 0:

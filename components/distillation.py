@@ -2,8 +2,9 @@
 
 A teacher translation arrives as the record of `model.translator.Translation`
 (`TranslationModelHandler`'s `inference`): `hypothesis` (text), `tokens` (ids, EOS
-included when the beam emitted one), `score` (the beam's length-penalised
-log-probability), `source_tokens` (EOS included, after any cut), `truncated`, `latency_s`.
+included when the beam emitted one), `score` (the beam's length-normalised
+log-probability, by `distill.engine`'s normalisation), `source_tokens` (EOS included,
+after any cut), `truncated`, `latency_s`.
 `judge` turns it and its prepared pair into a verdict: kept, or rejected with the first
 reason of `REASONS` that applies:
 
@@ -17,8 +18,9 @@ reason of `REASONS` that applies:
                    `distill.min_token_log_prob` (if set)
 
 `score` in the written records is the teacher's log-probability of its translation, summed
-over its tokens (EOS included), without the length penalty: `log_prob` recovers it from
-the beam's score. Records also carry the token counts the filters used.
+over its tokens (EOS included), without the length penalty, whichever engine decoded it:
+`log_prob` recovers it from the beam's score. Records also carry the token counts the
+filters used.
 
 `DistillationStats` sums, over the kept pairs, the whitespace words of sources, distilled
 targets and original targets, for the length ratios and type/token ratios that compare
@@ -40,11 +42,22 @@ from components.tokenizer import EOS_ID
 REASONS = ("source_too_long", "unfinished", "empty", "length_ratio", "low_score")
 
 
-def log_prob(translation: Mapping[str, Any], length_penalty: float) -> float:
-    """The teacher's log-probability of `translation`'s tokens: its beam score (log-prob
-    divided by the GNMT penalty ((5 + length) / 6) ** alpha) times that penalty."""
-    length = len(translation["tokens"])
-    return float(translation["score"]) * ((5.0 + length) / 6.0) ** length_penalty
+# What each `distill.engine`'s beam search divides a hypothesis's summed log-probability by,
+# at `length` tokens (EOS counted) and length penalty alpha: GNMT's penalty in ours
+# (model/beam_search.py); length ** alpha in CTranslate2 4.x (measured against the
+# teacher-forced log-probability: tests/test_distill.py).
+LENGTH_NORMALISERS = {
+    "jax": lambda length, alpha: ((5.0 + length) / 6.0) ** alpha,
+    "ctranslate2": lambda length, alpha: float(length) ** alpha,
+}
+
+
+def log_prob(translation: Mapping[str, Any], config: DistillConfig) -> float:
+    """The teacher's log-probability of `translation`'s tokens: its beam score times the
+    length normaliser of the engine that decoded it (`LENGTH_NORMALISERS`)."""
+    normaliser = LENGTH_NORMALISERS[config.engine]
+    return float(translation["score"]) * normaliser(len(translation["tokens"]),
+                                                    config.length_penalty)
 
 
 def rejection(translation: Mapping[str, Any], config: DistillConfig) -> Optional[str]:
@@ -61,7 +74,7 @@ def rejection(translation: Mapping[str, Any], config: DistillConfig) -> Optional
         if max(ratio, 1.0 / ratio) > config.max_length_ratio:
             return "length_ratio"
     if config.min_token_log_prob is not None:
-        if log_prob(translation, config.length_penalty) / len(tokens) < config.min_token_log_prob:
+        if log_prob(translation, config) / len(tokens) < config.min_token_log_prob:
             return "low_score"
     return None
 
@@ -101,7 +114,7 @@ def judge(pair: Mapping[str, str], translation: Mapping[str, Any],
     return Verdict(
         id=pair["id"], source=pair["source"], target=pair["target"],
         hypothesis=translation["hypothesis"],
-        score=round(log_prob(translation, config.length_penalty), 4),
+        score=round(log_prob(translation, config), 4),
         source_tokens=int(translation["source_tokens"]),
         hypothesis_tokens=len(translation["tokens"]),
         reason=rejection(translation, config),

@@ -31,6 +31,12 @@ buckets `encode.bucket_boundaries` it was trained with, in groups of a bounded s
 batches' contents do not depend on the runner, so a rerun writes the same pairs. Each
 worker process restores the teacher once (pipelines/model_handler.py).
 
+Engine (`distill.engine`, `method`): our jitted beam search, or the teacher exported to
+CTranslate2 once per worker process (model/ctranslate2_search.py), the CPU engine of the
+field, several times faster batched. At length_penalty 0 both write the same pairs; above,
+CTranslate2's length normalisation may end a sentence on another hypothesis. The scores
+are the teacher's summed log-probabilities either way.
+
 Run it alone, locally (the in-process FnApiRunner):
 
     PADIR_DATA_ROOT=/path/to/data python -m pipelines.distill --config configs/multi30k_en_de.yaml
@@ -68,10 +74,17 @@ STATS_FILE = "stats.json"
 _SHARDS = "-SSSSS-of-NNNNN"
 
 
+# distill.engine -> the decoding kind of its beam search, both scoring every hypothesis.
+KINDS = {"jax": "ar_beam", "ctranslate2": "ct2_beam"}
+
+
 def method(settings: config_lib.DistillConfig) -> config_lib.DecodeMethod:
-    """The teacher's decoding method: beam search with the configured beam and penalty."""
+    """The teacher's decoding method: beam search on the configured engine with the
+    configured beam and penalty. CTranslate2 runs its greedy search at beam size 1 (as ours
+    is exactly greedy there), still scored, so one kind serves every beam size."""
+    kind = KINDS[settings.engine]
     return config_lib.DecodeMethod(
-        f"ar_beam{settings.beam_size}", "ar_beam", beam_size=settings.beam_size,
+        f"{kind}{settings.beam_size}", kind, beam_size=settings.beam_size,
         length_penalty=settings.length_penalty)
 
 

@@ -17,7 +17,7 @@ from apache_beam.testing.test_pipeline import TestPipeline as BeamTestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from components import artifacts, corpus, dag, distillation
-from components.config import ConfigError, DistillConfig
+from components.config import ConfigError, DecodeMethod, DistillConfig, from_dict
 from components.tokenizer import EOS_ID, Tokenizer
 from flows import cli
 from flows.stages import run_stage
@@ -55,9 +55,15 @@ def test_each_reason_rejects_exactly_what_it_names_first_match_wins():
 
 
 def test_the_score_is_the_log_probability_without_length_penalty():
-    # The beam scores log-prob / ((5 + length) / 6) ** alpha: length 7 -> penalty 2 ** alpha.
-    assert distillation.log_prob(_translation(7, score=-3.0), 1.0) == pytest.approx(-6.0)
-    assert distillation.log_prob(_translation(7, score=-3.0), 0.0) == pytest.approx(-3.0)
+    # Ours scores log-prob / ((5 + length) / 6) ** alpha: length 7 -> penalty 2 ** alpha;
+    # CTranslate2 log-prob / length ** alpha: length 4 -> 2 ** (2 alpha).
+    def log_prob(tokens, **settings):
+        return distillation.log_prob(_translation(tokens, score=-3.0), DistillConfig(**settings))
+
+    assert log_prob(7, length_penalty=1.0) == pytest.approx(-6.0)
+    assert log_prob(7, length_penalty=0.0) == pytest.approx(-3.0)
+    assert log_prob(4, engine="ctranslate2", length_penalty=0.5) == pytest.approx(-6.0)
+    assert log_prob(4, engine="ctranslate2", length_penalty=0.0) == pytest.approx(-3.0)
     verdict = distillation.judge({"id": "train:000001", "source": "a dog", "target": "ein Hund"},
                                  _translation(7, score=-3.0, text="Hund"),
                                  DistillConfig(length_penalty=1.0))
@@ -92,9 +98,18 @@ def test_the_config_refuses_meaningless_values():
     defaults = DistillConfig()
     assert defaults.enabled and (defaults.beam_size, defaults.length_penalty) == (4, 0.6)
     for bad in ({"beam_size": 0}, {"batch_size": 0}, {"max_length_ratio": 0.5},
-                {"min_token_log_prob": 0.5}, {"length_penalty": -1.0}):
+                {"min_token_log_prob": 0.5}, {"length_penalty": -1.0}, {"engine": "onnx"}):
         with pytest.raises(ConfigError, match="distill"):
             DistillConfig(**bad)
+    with pytest.raises(ConfigError, match="distill.engine.*ctranslate2.*onnx"):
+        from_dict(DistillConfig, {"engine": "onnx"}, "distill")
+
+
+def test_each_engine_decodes_with_a_scored_beam_search_of_its_kind():
+    assert distill.method(DistillConfig(beam_size=4, length_penalty=0.0)) == DecodeMethod(
+        "ar_beam4", "ar_beam", beam_size=4, length_penalty=0.0)
+    assert distill.method(DistillConfig(engine="ctranslate2", beam_size=1)) == DecodeMethod(
+        "ct2_beam1", "ct2_beam", beam_size=1, length_penalty=0.6)
 
 
 # --- the stage ---------------------------------------------------------------------------
@@ -238,3 +253,73 @@ def test_distill_is_a_padir_stage(config):
     lonely = config.replace(workdir=config.workdir + "-empty")
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage prepare"):
         run_stage("distill", lonely)
+
+
+# --- the engines -------------------------------------------------------------------------
+
+
+def _translate(config, settings: DistillConfig, count: int = 8):
+    """The teacher's translations of the first `count` train sources: (loaded, sources,
+    translation records)."""
+    from model import translator
+
+    sources = [pair["source"] for pair in corpus.read_split(
+        dag.output_uri(config, "prepare"), "train")][:count]
+    loaded = translator.load_cached(dag.output_uri(config, "teacher"))
+    decoder = translator.Translator(loaded, distill.method(settings), batch_size=4,
+                                    boundaries=config.encode.bucket_boundaries)
+    return loaded, sources, [t.as_record() for t in decoder.translate(sources)]
+
+
+@pytest.mark.parametrize("engine,length_penalty", [("jax", 0.6), ("ctranslate2", 0.6),
+                                                   ("ctranslate2", 0.0)])
+def test_the_score_is_the_teacher_forced_log_probability(config, engine, length_penalty):
+    import jax.numpy as jnp
+    import numpy as np
+
+    settings = DistillConfig(engine=engine, length_penalty=length_penalty)
+    loaded, sources, translations = _translate(config, settings)
+    ids = loaded.tokenizer.encode(sources)
+    source = np.zeros((len(sources), max(map(len, ids)) + 1), np.int32)
+    target = np.zeros((len(sources), max(len(t["tokens"]) for t in translations)), np.int32)
+    for i, (row, translation) in enumerate(zip(ids, translations)):
+        source[i, :len(row) + 1] = row + [EOS_ID]
+        target[i, :len(translation["tokens"])] = translation["tokens"]
+    model, params = loaded.model, loaded.params
+    forced = model.target_log_probs(params, *model.encode(params, jnp.asarray(source)),
+                                    jnp.asarray(target)).sum(-1)
+    assert [distillation.log_prob(t, settings) for t in translations] == \
+        pytest.approx(np.asarray(forced).tolist(), rel=1e-5, abs=1e-3)
+
+
+def _unscored(records: list[dict]) -> list[dict]:
+    return [{**record, "score": None} for record in records]
+
+
+def test_without_length_penalty_both_engines_give_the_same_verdicts(config):
+    verdicts = {}
+    for engine in ("jax", "ctranslate2"):
+        settings = dataclasses.replace(config.distill, engine=engine, length_penalty=0.0)
+        _, sources, translations = _translate(config, settings, count=16)
+        pairs = [{"id": str(i), "source": source, "target": ""}
+                 for i, source in enumerate(sources)]
+        verdicts[engine] = [distillation.judge(pair, translation, settings).reject_record()
+                            for pair, translation in zip(pairs, translations)]
+    assert _unscored(verdicts["ctranslate2"]) == _unscored(verdicts["jax"])
+    assert {v["reason"] for v in verdicts["jax"]} >= {None, "unfinished"}
+    assert [v["score"] for v in verdicts["ctranslate2"]] == \
+        pytest.approx([v["score"] for v in verdicts["jax"]], abs=1e-3)
+
+
+@pytest.mark.slow  # about 4 minutes on 2 cores: two distill jobs, mostly our beam search
+def test_the_ctranslate2_engine_distils_the_jax_engines_pairs_without_length_penalty(config):
+    def distilled(engine):
+        settings = dataclasses.replace(config.distill, engine=engine, length_penalty=0.0)
+        artifact = run_stage("distill", config.replace(distill=settings))
+        return _lines(artifact.uri, "train"), _lines(artifact.uri, "rejects")
+
+    (ours, our_rejects), (theirs, their_rejects) = distilled("jax"), distilled("ctranslate2")
+    assert ours and our_rejects
+    assert _unscored(theirs) == _unscored(ours)
+    assert _unscored(their_rejects) == _unscored(our_rejects)
+    assert [r["score"] for r in theirs] == pytest.approx([r["score"] for r in ours], abs=1e-3)
