@@ -62,6 +62,7 @@ ARMS = {
     "warmup_400": Arm(("student.optimizer.warmup_steps=400",)),
     "dropout_0": Arm(("student.model.dropout_rate=0.0",)),
     "dropout_0.3": Arm(("student.model.dropout_rate=0.3",)),
+    "noise_min_0.5": Arm(("student.min_noise_ratio=0.5",)),
     "decoder_2": Arm(("student.model.num_decoder_layers=2",)),
     "decoder_6": Arm(("student.model.num_decoder_layers=6",)),
     "wide_256": Arm((WIDE,)),  # its layers no longer fit the teacher's: from scratch
@@ -91,7 +92,8 @@ def step_seconds(config: config_lib.Config, num_stages: int, *, length: int,
     compiled = train.compile_steps(
         model, tx, placement.state_shardings, placement.batch_sharding,
         num_stages=num_stages, remask_stutter=config.student.remask_stutter,
-        glancing_ratio=config.student.glancing_ratio if num_stages > 1 else 0.0)
+        glancing_ratio=config.student.glancing_ratio if num_stages > 1 else 0.0,
+        min_noise_ratio=config.student.min_noise_ratio)
     rows = max(jax.device_count(), config.student.loop.tokens_per_batch // length)
     rows -= rows % jax.device_count()
     batch = sharding.shard_batch(train_throughput.synthetic_batch(

@@ -301,18 +301,19 @@ class PaDIRModel(_BaseModel):
         num_stages: int = 1,
         remask_stutter: bool = False,
         glancing_ratio: float = 0.0,
+        min_noise_ratio: float = 0.0,
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
 
-        `rng` drives the noise, dropout and glancing; `num_stages`, `remask_stutter` and
-        `glancing_ratio` are static.
+        `rng` drives the noise, dropout and glancing; `num_stages`, `remask_stutter`,
+        `glancing_ratio` and `min_noise_ratio` (model/noising.py) are static.
         """
         target = batch["target"]
         noise_rng, dropout_rng = jax.random.split(rng)
         noised_ids, noised_mask = noising.noise_targets(
-            noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id
-        )
+            noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id,
+            min_ratio=min_noise_ratio)
         variables = {"params": params}
         encoded, memory_mask = self.module.apply(
             variables, batch["source"], deterministic,

@@ -4,8 +4,8 @@ The model is anything with the small interface of model/models.py (`init(rng, ba
 `loss_fn(params, batch, rng, *, deterministic, **loss_options) -> (loss, metric sums)`,
 `predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
 `loss_options` are a run's static loss settings (the student's `num_stages`,
-`remask_stutter` and `glancing_ratio`; none for the teacher), given as they are to
-`model.loss_fn`.
+`remask_stutter`, `glancing_ratio` and `min_noise_ratio`; none for the teacher), given as
+they are to `model.loss_fn`.
 
 A run is `train(model, data, run, mesh)`: what it reads (`TrainData`), what it is asked to
 do (`RunSpec`: steps, optimizer, cadences, checkpoint directory, seed), and the mesh;
@@ -810,7 +810,8 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
-        loss_options=dict(num_stages=1), log_dir=log_dir and f"{log_dir}/phase1",
+        loss_options=dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio),
+        log_dir=log_dir and f"{log_dir}/phase1",
         deadline=_deadline(cfg.loop), warm_start=warm_start,
         predict=functools.partial(refinement.predict_refined, model,
                                   max_iterations=STUDENT_DEV_ITERATIONS))
@@ -821,6 +822,7 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
         phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
         seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
         loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
-                          glancing_ratio=cfg.glancing_ratio),
+                          glancing_ratio=cfg.glancing_ratio,
+                          min_noise_ratio=cfg.min_noise_ratio),
         log_dir=log_dir and f"{log_dir}/phase2")
     return train(model, data, phase2, mesh)
