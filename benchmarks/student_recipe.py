@@ -9,7 +9,9 @@ last step only. The arms train one after the other in this process over one work
 holds the trained teacher and its distilled data: an arm reuses every complete upstream
 artifact and computes the rest (a new `vocab.size` trains its own teacher, a new
 `distill.beam_size` distils again: their time is reported, not counted in the budget).
-A rerun reuses the arms already trained.
+A rerun with the same `--json` reuses the arms already trained: it plans each arm listed
+there from the step times probed then (probes vary from run to run, and other step counts
+would be another student).
 
 Per arm: the steps reached (both phases), the student stage's wall time, and on the dev set
 decoded here: PaDIR-4 BLEU (one length candidate, as the decode stage's `padir_4`),
@@ -182,8 +184,11 @@ def dev_figures(config: config_lib.Config, student_uri: str,
 
 
 def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes: float, *,
-            probe_length: int, max_dev_sentences: Optional[int]) -> dict[str, Any]:
-    """Trains one arm to the steps that fit `minutes` (or reuses it) and measures it."""
+            probe_length: int, max_dev_sentences: Optional[int],
+            probed: Optional[dict[str, float]] = None) -> dict[str, Any]:
+    """Trains one arm to the steps that fit `minutes` (or reuses it) and measures it.
+    `probed`: the step times of an earlier run of this arm, so that it plans the same steps
+    (the same student key) and reuses that student instead of probing again."""
     from flows import stages
 
     config = config_lib.load(config_path, [*base, *arm.overrides])
@@ -191,8 +196,11 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
     section = config.student
     fraction = (section.phase2_steps / (section.phase1_steps + section.phase2_steps)
                 if arm.phase2_fraction is None else arm.phase2_fraction)
-    phase1_s = step_seconds(config, 1, length=probe_length)
-    phase2_s = step_seconds(config, section.num_stages, length=probe_length)
+    if probed is None:
+        phase1_s = step_seconds(config, 1, length=probe_length)
+        phase2_s = step_seconds(config, section.num_stages, length=probe_length)
+    else:
+        phase1_s, phase2_s = probed["phase1"], probed["phase2"]
     phase1, phase2 = plan_steps(60 * minutes, phase1_s, phase2_s, fraction)
     sized = [*base, *sized_overrides(arm, config, phase1, phase2, minutes)]
     config = config_lib.load(config_path, sized)
@@ -247,18 +255,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unknown arms {unknown}; choose from {list(ARMS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    study = {"minutes_per_arm": args.minutes_per_arm, "config": args.config, "set": args.set}
+    earlier = {}  # arm -> its probed step times, from an earlier run of the same study
+    if os.path.exists(args.json):
+        with open(args.json) as f:
+            kept = json.load(f)
+        if all(kept.get(k) == v for k, v in study.items()):
+            earlier = {row["arm"]: row["probe_step_s"] for row in kept["arms"]}
     rows = []
     print("| arm | overrides | phase-2 share | steps planned | steps reached | student min "
           "| dev PaDIR-4 | dev MP-10 | stutter % | exact length % |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.arms.split(","):
         row = run_arm(name, ARMS[name], args.config, args.set, args.minutes_per_arm,
-                      probe_length=args.probe_length, max_dev_sentences=args.max_dev_sentences)
+                      probe_length=args.probe_length, max_dev_sentences=args.max_dev_sentences,
+                      probed=earlier.get(name))
         rows.append(row)
         print(_table_row(row), flush=True)
         with open(args.json, "w") as f:  # after every arm: a long study keeps what it has
-            json.dump({"minutes_per_arm": args.minutes_per_arm, "config": args.config,
-                       "set": args.set, "arms": rows}, f, indent=2)
+            json.dump({**study, "arms": rows}, f, indent=2)
     return 0
 
 

@@ -18,7 +18,8 @@ def test_plan_steps_fill_the_budget_at_each_phases_step_time():
 
 
 @pytest.mark.slow  # 1-3 minutes on 2 cores: each arm's probe and phases compile
-def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, capsys):
+def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, capsys,
+                                                        monkeypatch):
     # The student learns the original pairs: a 3-step teacher's translations never reach
     # EOS, so distillation would reject them all (tests/test_training_stages.py). One length
     # bucket: one compilation per phase, so that the arms' few seconds are mostly steps.
@@ -45,5 +46,13 @@ def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, 
     table = capsys.readouterr().out
     assert "| base | (config as is) | 0.5 |" in table
     assert "| glancing_0.5 | student.glancing_ratio=0.5 |" in table
+    # A rerun plans from the step times probed then: the same student, reused, no probe.
+    monkeypatch.setattr(student_recipe, "step_seconds",
+                        lambda *args, **kwargs: pytest.fail("probed again"))
+    assert student_recipe.main(["--config", str(path), "--arms", "base",
+                                "--minutes-per-arm", "0.03", "--json", str(out),
+                                "--max-dev-sentences", "8"]) == 0
+    rerun = json.loads(out.read_text())["arms"]
+    assert [row["student"] for row in rerun] == [rows[0]["student"]]
     with pytest.raises(SystemExit):
         student_recipe.main(["--config", str(path), "--arms", "base,nonsense"])
