@@ -9,9 +9,11 @@ last step only. The arms train one after the other in this process over one work
 holds the trained teacher and its distilled data: an arm reuses every complete upstream
 artifact and computes the rest (a new `vocab.size` trains its own teacher, a new
 `distill.beam_size` distils again: their time is reported, not counted in the budget).
-A rerun with the same `--json` reuses the arms already trained: it plans each arm listed
-there from the step times probed then (probes vary from run to run, and other step counts
-would be another student).
+Arms whose steps cost the same (one student shape, vocabulary, batch and phase-2 loss;
+dropout, LR, noise and the data do not change the cost) share one probe, so that they train
+the same steps and measurement noise does not give them different budgets. A rerun with the same
+`--json` reuses those probes and the arms already trained (probes vary from run to run, and
+other step counts would be another student), and keeps the rows of arms it does not rerun.
 
 Per arm: the steps reached (both phases), the student stage's wall time, and on the dev set
 decoded here: PaDIR-4 BLEU (one length candidate, as the decode stage's `padir_4`),
@@ -112,6 +114,14 @@ def step_seconds(config: config_lib.Config, num_stages: int, *, length: int,
     return best
 
 
+def step_shape(config: config_lib.Config) -> str:
+    """What the student's step time depends on: the arms with equal shapes share a probe."""
+    model = dataclasses.replace(config.student.model, dropout_rate=0.0)
+    return repr((model, config.vocab.size, config.student.loop.tokens_per_batch,
+                 config.student.num_stages, config.student.remask_stutter,
+                 config.student.glancing_ratio > 0))
+
+
 def plan_steps(seconds: float, phase1_s: float, phase2_s: float, phase2_fraction: float
                ) -> tuple[int, int]:
     """(phase-1 steps, phase-2 steps) that fill `seconds` with `phase2_fraction` of the
@@ -185,10 +195,9 @@ def dev_figures(config: config_lib.Config, student_uri: str,
 
 def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes: float, *,
             probe_length: int, max_dev_sentences: Optional[int],
-            probed: Optional[dict[str, float]] = None) -> dict[str, Any]:
+            probes: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Trains one arm to the steps that fit `minutes` (or reuses it) and measures it.
-    `probed`: the step times of an earlier run of this arm, so that it plans the same steps
-    (the same student key) and reuses that student instead of probing again."""
+    `probes`: step shape -> its phases' step times, probed once (and filled here)."""
     from flows import stages
 
     config = config_lib.load(config_path, [*base, *arm.overrides])
@@ -196,11 +205,12 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
     section = config.student
     fraction = (section.phase2_steps / (section.phase1_steps + section.phase2_steps)
                 if arm.phase2_fraction is None else arm.phase2_fraction)
-    if probed is None:
-        phase1_s = step_seconds(config, 1, length=probe_length)
-        phase2_s = step_seconds(config, section.num_stages, length=probe_length)
-    else:
-        phase1_s, phase2_s = probed["phase1"], probed["phase2"]
+    shape = step_shape(config)
+    if shape not in probes:
+        probes[shape] = {"phase1": step_seconds(config, 1, length=probe_length),
+                         "phase2": step_seconds(config, section.num_stages,
+                                                length=probe_length)}
+    phase1_s, phase2_s = probes[shape]["phase1"], probes[shape]["phase2"]
     phase1, phase2 = plan_steps(60 * minutes, phase1_s, phase2_s, fraction)
     sized = [*base, *sized_overrides(arm, config, phase1, phase2, minutes)]
     config = config_lib.load(config_path, sized)
@@ -214,7 +224,7 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
         "arm": name,
         "overrides": list(arm.overrides),
         "phase2_fraction": round(fraction, 3),
-        "probe_step_s": {"phase1": round(phase1_s, 4), "phase2": round(phase2_s, 4)},
+        "probe_step_s": probes[shape],  # unrounded: a rerun plans the same steps
         "planned_steps": {"phase1": phase1, "phase2": phase2},
         "steps_reached": curve[-1]["step"] if curve else None,
         "stop_reason": student.manifest["metrics"].get("stop_reason"),
@@ -256,24 +266,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     study = {"minutes_per_arm": args.minutes_per_arm, "config": args.config, "set": args.set}
-    earlier = {}  # arm -> its probed step times, from an earlier run of the same study
+    rows = {}  # arm -> its row, from an earlier run of the same study first
     if os.path.exists(args.json):
         with open(args.json) as f:
             kept = json.load(f)
         if all(kept.get(k) == v for k, v in study.items()):
-            earlier = {row["arm"]: row["probe_step_s"] for row in kept["arms"]}
-    rows = []
+            rows = {row["arm"]: row for row in kept["arms"]}
+    probes = {step_shape(config_lib.load(args.config, [*args.set, *row["overrides"]])):
+              row["probe_step_s"] for row in rows.values()}
     print("| arm | overrides | phase-2 share | steps planned | steps reached | student min "
           "| dev PaDIR-4 | dev MP-10 | stutter % | exact length % |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.arms.split(","):
         row = run_arm(name, ARMS[name], args.config, args.set, args.minutes_per_arm,
                       probe_length=args.probe_length, max_dev_sentences=args.max_dev_sentences,
-                      probed=earlier.get(name))
-        rows.append(row)
+                      probes=probes)
+        rows[name] = row
         print(_table_row(row), flush=True)
         with open(args.json, "w") as f:  # after every arm: a long study keeps what it has
-            json.dump({**study, "arms": rows}, f, indent=2)
+            json.dump({**study, "arms": list(rows.values())}, f, indent=2)
     return 0
 
 

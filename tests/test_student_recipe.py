@@ -28,11 +28,20 @@ def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, 
     path = tmp_path / "tiny.yaml"
     path.write_text(config_lib.dump(config))
     out = tmp_path / "rows.json"
-    assert student_recipe.main(["--config", str(path), "--arms", "base,glancing_0.5",
+    probes = []
+    probe = student_recipe.step_seconds
+    monkeypatch.setattr(student_recipe, "step_seconds",
+                        lambda *args, **kwargs: probes.append(args[1]) or probe(*args, **kwargs))
+    assert student_recipe.main(["--config", str(path), "--arms", "base,glancing_0.5,dropout_0.3",
                                 "--minutes-per-arm", "0.03", "--json", str(out),
                                 "--max-dev-sentences", "8"]) == 0
     rows = json.loads(out.read_text())["arms"]
-    assert [row["arm"] for row in rows] == ["base", "glancing_0.5"]
+    assert [row["arm"] for row in rows] == ["base", "glancing_0.5", "dropout_0.3"]
+    # Dropout does not change a step's cost: dropout_0.3 plans from base's probe, glancing
+    # from its own (one probe per phase).
+    assert probes == [1, 2, 1, 2]
+    assert rows[2]["probe_step_s"] == rows[0]["probe_step_s"]
+    assert rows[2]["planned_steps"] == rows[0]["planned_steps"]
     for row in rows:
         planned = row["planned_steps"]
         assert row["phase2_fraction"] == 0.5  # the tiny config's 2 + 2 steps
@@ -42,17 +51,18 @@ def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, 
         for figure in ("dev_bleu_padir_4", "dev_bleu_mask_predict_10", "stutter_pct",
                        "exact_length_pct"):
             assert 0 <= row[figure] <= 100
-    assert rows[0]["student"] != rows[1]["student"]  # one student per arm
+    assert len({row["student"] for row in rows}) == 3  # one student per arm
     table = capsys.readouterr().out
     assert "| base | (config as is) | 0.5 |" in table
     assert "| glancing_0.5 | student.glancing_ratio=0.5 |" in table
-    # A rerun plans from the step times probed then: the same student, reused, no probe.
+    # A rerun plans from the step times probed then: the same student, reused, no probe;
+    # the rows of the arms it does not rerun are kept.
     monkeypatch.setattr(student_recipe, "step_seconds",
                         lambda *args, **kwargs: pytest.fail("probed again"))
     assert student_recipe.main(["--config", str(path), "--arms", "base",
                                 "--minutes-per-arm", "0.03", "--json", str(out),
                                 "--max-dev-sentences", "8"]) == 0
     rerun = json.loads(out.read_text())["arms"]
-    assert [row["student"] for row in rerun] == [rows[0]["student"]]
+    assert [row["student"] for row in rerun] == [row["student"] for row in rows]
     with pytest.raises(SystemExit):
         student_recipe.main(["--config", str(path), "--arms", "base,nonsense"])
