@@ -9,9 +9,10 @@ last step only. The arms train one after the other in this process over one work
 holds the trained teacher and its distilled data: an arm reuses every complete upstream
 artifact and computes the rest (a new `vocab.size` trains its own teacher, a new
 `distill.beam_size` distils again: their time is reported, not counted in the budget).
-Arms whose steps cost the same (one student shape, vocabulary, batch and phase-2 loss;
-dropout, LR, noise and the data do not change the cost) share one probe, so that they train
-the same steps and measurement noise does not give them different budgets. A rerun with the same
+A phase whose steps cost the same in two arms is probed once for both (phase 1: one student
+shape, vocabulary and batch; phase 2: those and its stages and loss; dropout, LR, noise and
+the data change neither), so that measurement noise does not give arms different budgets (a
+glancing arm differs from `base` in phase 2 only). A rerun with the same
 `--json` reuses those probes and the arms already trained (probes vary from run to run, and
 other step counts would be another student), and keeps the rows of arms it does not rerun.
 
@@ -114,12 +115,15 @@ def step_seconds(config: config_lib.Config, num_stages: int, *, length: int,
     return best
 
 
-def step_shape(config: config_lib.Config) -> str:
-    """What the student's step time depends on: the arms with equal shapes share a probe."""
+def step_shapes(config: config_lib.Config) -> dict[str, str]:
+    """Phase -> what its step time depends on: the arms with equal shapes share a probe.
+    Phase 1 is one stage of the model; phase 2 adds the unrolled stages and their loss."""
     model = dataclasses.replace(config.student.model, dropout_rate=0.0)
-    return repr((model, config.vocab.size, config.student.loop.tokens_per_batch,
-                 config.student.num_stages, config.student.remask_stutter,
-                 config.student.glancing_ratio > 0))
+    phase1 = repr((model, config.vocab.size, config.student.loop.tokens_per_batch))
+    section = config.student
+    return {"phase1": phase1,
+            "phase2": repr((phase1, section.num_stages, section.remask_stutter,
+                            section.glancing_ratio > 0))}
 
 
 def plan_steps(seconds: float, phase1_s: float, phase2_s: float, phase2_fraction: float
@@ -195,9 +199,9 @@ def dev_figures(config: config_lib.Config, student_uri: str,
 
 def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes: float, *,
             probe_length: int, max_dev_sentences: Optional[int],
-            probes: dict[str, dict[str, float]]) -> dict[str, Any]:
+            probes: dict[str, float]) -> dict[str, Any]:
     """Trains one arm to the steps that fit `minutes` (or reuses it) and measures it.
-    `probes`: step shape -> its phases' step times, probed once (and filled here)."""
+    `probes`: a phase's step shape -> its step time, probed once (and filled here)."""
     from flows import stages
 
     config = config_lib.load(config_path, [*base, *arm.overrides])
@@ -205,12 +209,11 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
     section = config.student
     fraction = (section.phase2_steps / (section.phase1_steps + section.phase2_steps)
                 if arm.phase2_fraction is None else arm.phase2_fraction)
-    shape = step_shape(config)
-    if shape not in probes:
-        probes[shape] = {"phase1": step_seconds(config, 1, length=probe_length),
-                         "phase2": step_seconds(config, section.num_stages,
-                                                length=probe_length)}
-    phase1_s, phase2_s = probes[shape]["phase1"], probes[shape]["phase2"]
+    shapes = step_shapes(config)
+    for phase, stages_per_step in (("phase1", 1), ("phase2", section.num_stages)):
+        if shapes[phase] not in probes:
+            probes[shapes[phase]] = step_seconds(config, stages_per_step, length=probe_length)
+    phase1_s, phase2_s = probes[shapes["phase1"]], probes[shapes["phase2"]]
     phase1, phase2 = plan_steps(60 * minutes, phase1_s, phase2_s, fraction)
     sized = [*base, *sized_overrides(arm, config, phase1, phase2, minutes)]
     config = config_lib.load(config_path, sized)
@@ -224,7 +227,8 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
         "arm": name,
         "overrides": list(arm.overrides),
         "phase2_fraction": round(fraction, 3),
-        "probe_step_s": probes[shape],  # unrounded: a rerun plans the same steps
+        # unrounded: a rerun plans the same steps
+        "probe_step_s": {"phase1": phase1_s, "phase2": phase2_s},
         "planned_steps": {"phase1": phase1, "phase2": phase2},
         "steps_reached": curve[-1]["step"] if curve else None,
         "stop_reason": student.manifest["metrics"].get("stop_reason"),
@@ -272,8 +276,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             kept = json.load(f)
         if all(kept.get(k) == v for k, v in study.items()):
             rows = {row["arm"]: row for row in kept["arms"]}
-    probes = {step_shape(config_lib.load(args.config, [*args.set, *row["overrides"]])):
-              row["probe_step_s"] for row in rows.values()}
+    probes: dict[str, float] = {}  # the first row's probe of a shape is the one kept
+    for row in rows.values():
+        shapes = step_shapes(config_lib.load(args.config, [*args.set, *row["overrides"]]))
+        for phase, shape in shapes.items():
+            probes.setdefault(shape, row["probe_step_s"][phase])
     print("| arm | overrides | phase-2 share | steps planned | steps reached | student min "
           "| dev PaDIR-4 | dev MP-10 | stutter % | exact length % |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

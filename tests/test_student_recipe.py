@@ -37,10 +37,11 @@ def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, 
                                 "--max-dev-sentences", "8"]) == 0
     rows = json.loads(out.read_text())["arms"]
     assert [row["arm"] for row in rows] == ["base", "glancing_0.5", "dropout_0.3"]
-    # Dropout does not change a step's cost: dropout_0.3 plans from base's probe, glancing
-    # from its own (one probe per phase).
-    assert probes == [1, 2, 1, 2]
+    # Dropout does not change a step's cost: dropout_0.3 plans from base's probes. Glancing
+    # changes phase 2's only: it probes that phase alone.
+    assert probes == [1, 2, 2]
     assert rows[2]["probe_step_s"] == rows[0]["probe_step_s"]
+    assert rows[1]["probe_step_s"]["phase1"] == rows[0]["probe_step_s"]["phase1"]
     assert rows[2]["planned_steps"] == rows[0]["planned_steps"]
     for row in rows:
         planned = row["planned_steps"]
