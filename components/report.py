@@ -366,9 +366,9 @@ def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
                         if ratios[stat] is not None]
             wins = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio > 1]
             losses = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio <= 1]
-            lines.append(f"- {m['method']} against {name}: faster at "
-                         f"{', '.join(wins) or 'none'}; not faster at "
-                         f"{', '.join(losses) or 'none'}; BLEU "
+            verdict = "; ".join([*([f"faster at {', '.join(wins)}"] if wins else []),
+                                 *([f"not faster at {', '.join(losses)}"] if losses else [])])
+            lines.append(f"- {m['method']} against {name}: {verdict}; BLEU "
                          f"{bleu[m['method']] - bleu[name]:+.2f}.")
     return ["", "Where PaDIR wins (speedup > 1x) and where it does not:", ""] + lines \
         if lines else []

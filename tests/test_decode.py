@@ -288,6 +288,27 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
         assert speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
 
 
+def test_the_verdict_names_only_the_regimes_on_each_side():
+    def method(name, kind, bleu, median, p99, throughput):
+        return {"method": name, "kind": kind, "bleu": {"score": bleu},
+                "speedup": {"vs_greedy": {"median": median, "p99": p99,
+                                          "throughput": throughput}}}
+    entry = {"baselines": {"ar_greedy": "greedy"}, "methods": [
+        method("greedy", "ar_greedy", 30.0, 1.0, 1.0, 1.0),
+        method("fast", "padir", 27.5, 2.0, 3.0, 1.5),
+        method("slow", "padir", 28.0, 0.5, 0.8, None),  # throughput not measured
+        method("mixed", "padir", 29.0, 1.2, 0.9, 0.7)]}
+    lines = report._verdict_lines(entry)
+    assert lines[3:] == [
+        "- fast against greedy: faster at batch 1 median 2.00x, batch 1 p99 3.00x, "
+        "batched 1.50x; BLEU -2.50.",
+        "- slow against greedy: not faster at batch 1 median 0.50x, batch 1 p99 0.80x; "
+        "BLEU -2.00.",
+        "- mixed against greedy: faster at batch 1 median 1.20x; not faster at batch 1 p99 "
+        "0.90x, batched 0.70x; BLEU -1.00."]
+    assert report._verdict_lines({**entry, "methods": entry["methods"][:1]}) == []
+
+
 def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     scored = run_stage("score", config)
     with open(scored.path(score_stage.REPORT_JSON)) as f:
@@ -326,7 +347,7 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
     assert "| beam2 | ar_beam | beam 2, length penalty 0.6 |" in markdown
     assert "| ct2_beam2 | ct2_beam | beam 2, length penalty 0.6, CTranslate2 int8 |" in markdown
-    assert "- padir_2 against ct2: faster at " in markdown
+    assert "- padir_2 against ct2: " in markdown
     # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
     assert "compare with published figures" in markdown and "Multi30k" not in markdown
     for plot in report.PLOTS:
