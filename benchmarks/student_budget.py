@@ -172,13 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     study = {"config": args.config, "set": args.set}
-    kept: dict[str, Any] = {}
-    if os.path.exists(args.json):
-        with open(args.json) as f:
-            kept = json.load(f)
-        if any(kept.get(k) != v for k, v in study.items()):
-            kept = {}
-    rows = {row["multiple"]: row for row in kept.get("rows", [])}
+    rows = {row["multiple"]: row
+            for row in student_recipe.earlier_study(args.json, study).get("rows", [])}
     config = config_lib.load(args.config, args.set)
     student_recipe.ensure_upstream(config)
     teacher_bleu = teacher_dev_bleu(config)
@@ -190,7 +185,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump({**study, "teacher_dev_bleu_beam4": teacher_bleu, "rows": ordered},
                       f, indent=2)
         log.info("%dx done", multiple)
-    ordered = [rows[m] for m in sorted(rows)]
     print("\n".join(summary_lines(ordered, teacher_bleu)))
     plot(ordered, teacher_bleu, args.plot)
     print(f"\nwrote {args.json} and {args.plot}")

@@ -118,9 +118,9 @@ def step_seconds(config: config_lib.Config, num_stages: int, *, length: int,
 def step_shapes(config: config_lib.Config) -> dict[str, str]:
     """Phase -> what its step time depends on: the arms with equal shapes share a probe.
     Phase 1 is one stage of the model; phase 2 adds the unrolled stages and their loss."""
-    model = dataclasses.replace(config.student.model, dropout_rate=0.0)
-    phase1 = repr((model, config.vocab.size, config.student.loop.tokens_per_batch))
     section = config.student
+    model = dataclasses.replace(section.model, dropout_rate=0.0)
+    phase1 = repr((model, config.vocab.size, section.loop.tokens_per_batch))
     return {"phase1": phase1,
             "phase2": repr((phase1, section.num_stages, section.remask_stutter,
                             section.glancing_ratio > 0))}
@@ -197,6 +197,16 @@ def dev_figures(config: config_lib.Config, student_uri: str,
     return figures
 
 
+def earlier_study(path: str, study: dict[str, Any]) -> dict[str, Any]:
+    """The JSON at `path` if it holds a study with the same settings (`study`'s keys), else
+    {}: what a rerun may reuse."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        kept = json.load(f)
+    return kept if all(kept.get(k) == v for k, v in study.items()) else {}
+
+
 def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes: float, *,
             probe_length: int, max_dev_sentences: Optional[int],
             probes: dict[str, float]) -> dict[str, Any]:
@@ -270,12 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     study = {"minutes_per_arm": args.minutes_per_arm, "config": args.config, "set": args.set}
-    rows = {}  # arm -> its row, from an earlier run of the same study first
-    if os.path.exists(args.json):
-        with open(args.json) as f:
-            kept = json.load(f)
-        if all(kept.get(k) == v for k, v in study.items()):
-            rows = {row["arm"]: row for row in kept["arms"]}
+    # arm -> its row, from an earlier run of the same study first
+    rows = {row["arm"]: row for row in earlier_study(args.json, study).get("arms", [])}
     probes: dict[str, float] = {}  # the first row's probe of a shape is the one kept
     for row in rows.values():
         shapes = step_shapes(config_lib.load(args.config, [*args.set, *row["overrides"]]))
