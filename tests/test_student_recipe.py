@@ -23,7 +23,9 @@ def test_two_arms_train_for_equal_time_and_are_measured(tiny_workdir, tmp_path, 
     # The student learns the original pairs: a 3-step teacher's translations never reach
     # EOS, so distillation would reject them all (tests/test_training_stages.py). One length
     # bucket: one compilation per phase, so that the arms' few seconds are mostly steps.
-    config = tiny_config(tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]")
+    # `base` without glancing (the benchmark's has it), so that the glancing arm differs.
+    config = tiny_config(tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]",
+                         "student.glancing_ratio=0.0")
     ensure(config, "prepare", "vocab")
     path = tmp_path / "tiny.yaml"
     path.write_text(config_lib.dump(config))
