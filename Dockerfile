@@ -14,6 +14,7 @@ COPY components/ components/
 COPY model/ model/
 COPY pipelines/ pipelines/
 COPY flows/ flows/
+COPY theory/ theory/
 # A regular (not editable) install: the packages live in site-packages, as on the launcher's
 # import path. Fail the build, not a job, if the pins do not resolve or the stages do not import.
 RUN pip install --no-cache-dir --constraint constraints.txt . \

@@ -27,7 +27,7 @@ import re
 import reprlib
 import types
 import typing
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, ClassVar, Literal, Optional, Sequence
 
 import yaml
 
@@ -309,6 +309,8 @@ class TrainLoopConfig:
 class TeacherConfig:
     """The AR teacher: trained on the original (not distilled) pairs."""
 
+    SECTION: ClassVar[str] = "teacher"  # the key that errors name
+
     model: ModelConfig = ModelConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     loop: TrainLoopConfig = TrainLoopConfig()
@@ -317,7 +319,23 @@ class TeacherConfig:
 
     def __post_init__(self):
         if self.steps < 1 or not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError("teacher: steps must be >= 1 and label_smoothing in [0, 1)")
+            raise ConfigError(f"{self.SECTION}: steps must be >= 1 and label_smoothing in [0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ARStudentConfig(TeacherConfig):
+    """The fair AR baseline (Kasai et al. 2021, "Deep encoder, shallow decoder"): an AR
+    model trained as the teacher is, on the PaDIR student's data (the distilled pairs when
+    `distill.enabled`), with a deep encoder and a one-layer decoder, for about the student's
+    wall time (`steps`); decoded by the AR kinds with `model: ar_student`.
+    `init_from_teacher` starts it from the teacher where paths and shapes match
+    (model/warm_start.py: the embedding, the encoder's first layers, the first decoder layer).
+    """
+
+    SECTION: ClassVar[str] = "ar_student"
+
+    model: ModelConfig = ModelConfig(num_decoder_layers=1)
+    init_from_teacher: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,20 +468,28 @@ class DistillConfig:
 
 # --- decoding and its measurement -------------------------------------------------------
 
+# The training stages whose artifacts decode: the AR models (the teacher, and the AR
+# student, the fair AR baseline) and the PaDIR student.
+AR_STAGES = ("teacher", "ar_student")
+TRAINING_STAGES = (*AR_STAGES, "student")
+
+
 @dataclasses.dataclass(frozen=True)
 class Decoder:
     """What the pipeline needs to know of a decoding kind without running it (its search
     is `model/translator.py: SEARCHES[kind]`)."""
 
-    stage: str  # the training stage whose checkpoint it decodes with: "teacher" or "student"
+    # The training stage whose checkpoint it decodes with: "teacher" or "student"; a kind
+    # that reads `model` decodes with the AR model that names (this is its default).
+    stage: str
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
     rescorer: Optional[str] = None  # the training stage whose model picks among its candidates
 
 
 # Decoding kinds: config validation, `padir translate`'s flags and inference all read this.
 DECODERS: dict[str, Decoder] = {
-    "ar_greedy": Decoder("teacher", ("shortlist",)),
-    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist")),
+    "ar_greedy": Decoder("teacher", ("shortlist", "model")),
+    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist", "model")),
     "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init",
                                  "shortlist")),
     "padir_rescored": Decoder("student", ("iterations", "num_length_candidates",
@@ -473,8 +499,11 @@ DECODERS: dict[str, Decoder] = {
                                         "shortlist")),
     "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
                                     "length_offsets", "shortlist")),
-    "ct2_greedy": Decoder("teacher", ("compute_type",)),
-    "ct2_beam": Decoder("teacher", ("beam_size", "length_penalty", "compute_type")),
+    "draft_verify": Decoder("student", ("iterations", "tolerance_top_k", "tolerance_margin",
+                                        "shortlist"), rescorer="teacher"),
+    "ct2_greedy": Decoder("teacher", ("compute_type", "shortlist", "model")),
+    "ct2_beam": Decoder("teacher", ("beam_size", "length_penalty", "compute_type", "shortlist",
+                                    "model")),
 }
 DECODE_KINDS = tuple(DECODERS)
 
@@ -483,10 +512,10 @@ DECODE_KINDS = tuple(DECODERS)
 class DecodeMethod:
     """One decoding method to measure (model/refinement.py, model/beam_search.py).
 
-    The AR kinds decode with the `teacher` artifact, the others with the PaDIR student
-    (`student`). Each kind reads only its options (`DECODERS`); giving another one a value
-    other than its default is an error, so a config never carries a knob that does
-    nothing.
+    The AR kinds (ar_*, ct2_*) decode with the AR model `model` names: the `teacher`
+    (default) or the `ar_student`; the others with the PaDIR student (`student`). Each kind
+    reads only its options (`DECODERS`); giving another one a value other than its default
+    is an error, so a config never carries a knob that does nothing.
 
       ar_greedy     greedy search with a KV cache
       ar_beam       beam search: beam_size, length_penalty (GNMT exponent)
@@ -498,13 +527,21 @@ class DecodeMethod:
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
       adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
                     num_length_candidates x length_offsets
+      draft_verify  the student drafts after the accepted prefix (iterations: its passes
+                    per draft), the teacher verifies in one teacher-forced pass and keeps
+                    the drafted tokens it agrees with, then its own next token
+                    (model/draft_verify.py): the teacher's greedy output exactly, in fewer
+                    sequential calls when the drafts are good; tolerance_top_k > 1 also
+                    accepts a drafted token in the teacher's top k within tolerance_margin
+                    of its best log-probability (fewer rounds, no longer exact)
       ct2_greedy    the teacher exported to CTranslate2 (the CPU serving baseline),
                     greedy; compute_type float32 or int8 (model/ctranslate2_search.py)
       ct2_beam      the same, beam search: beam_size, length_penalty (CTranslate2's:
                     log-probability / length ** length_penalty, not GNMT's), compute_type
 
     Every kind reads `shortlist`: score only the target pieces a batch's sources can need
-    (model/shortlist.py, built from the model's own training pairs) instead of all V.
+    (model/shortlist.py, built from the model's own training pairs) instead of all V; the
+    CTranslate2 kinds get it as CTranslate2's vocabulary map (`use_vmap`).
 
     `name` names the method in file names and reports.
     """
@@ -522,6 +559,9 @@ class DecodeMethod:
     criterion: Literal["top_prob", "margin"] = "margin"
     shortlist: bool = False
     compute_type: Literal["float32", "int8"] = "float32"
+    model: Literal[AR_STAGES] = "teacher"  # the AR kinds: which AR model decodes
+    tolerance_top_k: int = 1  # draft_verify: 1 is exact verification
+    tolerance_margin: float = 0.0  # draft_verify with tolerance_top_k > 1: nats below the best
 
     def __post_init__(self):
         where = f"decode method {self.name!r}"
@@ -529,6 +569,8 @@ class DecodeMethod:
             raise ConfigError(f"{where}: a name of letters, digits, '_', '.', '-' only")
         if self.kind not in DECODERS:  # also when built in code, not parsed
             raise ConfigError(f"{where}: kind must be one of {list(DECODE_KINDS)}")
+        if self.model not in AR_STAGES:
+            raise ConfigError(f"{where}: model must be one of {list(AR_STAGES)}")
         reads = DECODERS[self.kind].options
         for field in decode_options():
             if field.name not in reads and getattr(self, field.name) != field.default:
@@ -538,6 +580,12 @@ class DecodeMethod:
                self.tokens_per_step) < 1:
             raise ConfigError(f"{where}: iterations, beam_size, num_length_candidates and "
                               "tokens_per_step must be >= 1")
+        if self.tolerance_top_k < 1 or self.tolerance_margin < 0:
+            raise ConfigError(f"{where}: tolerance_top_k must be >= 1 and tolerance_margin "
+                              ">= 0")
+        if self.tolerance_top_k == 1 and self.tolerance_margin:
+            raise ConfigError(f"{where}: tolerance_margin needs tolerance_top_k > 1 (with 1 "
+                              "the teacher's best token alone is accepted)")
         if self.length_penalty < 0 or not self.length_offsets:
             raise ConfigError(f"{where}: length_penalty must be >= 0 and length_offsets "
                               "non-empty")
@@ -545,7 +593,7 @@ class DecodeMethod:
     @property
     def stage(self) -> str:
         """The training stage whose checkpoint this method decodes with."""
-        return DECODERS[self.kind].stage
+        return self.model if "model" in DECODERS[self.kind].options else DECODERS[self.kind].stage
 
     @property
     def rescorer(self) -> Optional[str]:
@@ -607,6 +655,12 @@ class DecodeConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"decode.{name}: expected a positive integer or null")
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The training stages whose artifacts the methods decode or rescore with, sorted."""
+        return tuple(sorted({stage for method in self.methods
+                             for stage in (method.stage, method.rescorer) if stage}))
+
 
 @dataclasses.dataclass(frozen=True)
 class RunnerConfig:
@@ -630,6 +684,7 @@ class Config:
     teacher: TeacherConfig = TeacherConfig()
     distill: DistillConfig = DistillConfig()
     student: StudentConfig = StudentConfig()
+    ar_student: ARStudentConfig = ARStudentConfig()
     decode: DecodeConfig = DecodeConfig()
     mesh: MeshConfig = MeshConfig()
 
@@ -642,7 +697,7 @@ class Config:
         for i, test_set in enumerate(self.data.test):
             test_set.corpus.validate(f"data.test[{i}]")
         widest = self.encode.bucket_boundaries[-1]  # batches are padded to a boundary
-        for name in ("teacher", "student"):
+        for name in TRAINING_STAGES:
             model = self.section(name).model
             if min(model.max_source_len, model.max_target_len) < widest:
                 raise ConfigError(
@@ -758,10 +813,15 @@ def _convert(value: Any, annotation: Any, where: str, expand: bool = True) -> An
     raise TypeError(f"{where}: unsupported annotation {annotation!r}")
 
 
-def from_dict(cls: type, data: dict, where: str = "") -> Any:
-    """Builds dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+def from_dict(cls: type, data: dict, where: str = "", base: Any = None) -> Any:
+    """Builds dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError.
+
+    Keys not given keep the values of `base` (default: `cls()`'s); a mapping given for a
+    section fills from that section's default, so `ar_student.model: {d_model: 512}` keeps
+    the AR student's one decoder layer."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = set(fields)
     for key in data:
         if key not in names:
             path = f"{where}.{key}" if where else str(key)
@@ -771,9 +831,13 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     expand = cls not in KEEP_PLACEHOLDERS
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
-        kwargs[key] = _convert(value, hints[key], path, expand)
+        default = fields[key].default
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            kwargs[key] = from_dict(type(default), value, path, base=default)
+        else:
+            kwargs[key] = _convert(value, hints[key], path, expand)
     try:
-        return cls(**kwargs)
+        return cls(**kwargs) if base is None else dataclasses.replace(base, **kwargs)
     except ConfigError:
         raise
     except TypeError as e:

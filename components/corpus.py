@@ -59,9 +59,10 @@ import zipfile
 import zlib
 from typing import Iterable, Iterator, Optional, Union
 
+import aiohttp
 import fsspec
 
-from components import artifacts
+from components import artifacts, logs
 from components.config import CorpusConfig, DataConfig, PrepareConfig, expand_env
 
 REASONS = ("malformed", "oversized", "invalid_utf8", "empty", "too_long", "length_ratio",
@@ -73,12 +74,19 @@ TRAIN, DEV, CARVED_TEST, REJECTS = "train", "dev", "test", "rejects"
 SHOWN_BYTES = 200  # of an oversized line, in its reject
 _BLOCK = 1 << 20  # bytes read at a time
 # What a damaged file raises while it is read: gzip's CRC and header errors are OSErrors,
-# a corrupt deflate stream is a zlib.error, a damaged zip a BadZipFile, a cut one EOFError.
-READ_ERRORS = (OSError, EOFError, KeyError, zlib.error, zipfile.BadZipFile, lzma.LZMAError)
+# a corrupt deflate stream is a zlib.error, a damaged zip a BadZipFile, a cut one EOFError;
+# an http(s) corpus whose server refuses a read (an expired signed URL: 401 or 403), after
+# answering the HEAD that sized it, an aiohttp ClientError.
+READ_ERRORS = (OSError, EOFError, KeyError, zlib.error, zipfile.BadZipFile, lzma.LZMAError,
+               aiohttp.ClientError)
 
 
 class CorpusError(ValueError):
-    """A structural problem with the input (missing file, misaligned sides): nothing was run."""
+    """A structural problem with the input (missing file, misaligned sides): nothing was run.
+    Its message names the file with the secrets of its URL redacted (`logs.redact`)."""
+
+    def __init__(self, message: str):
+        super().__init__(logs.redact(message))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +279,13 @@ def count_lines(uri: str, where: str) -> int:
 
 
 def _cause(error: BaseException) -> str:
-    if isinstance(error, FileNotFoundError):
+    """What went wrong, in a few words that name no URL (the caller names the file)."""
+    refused = error  # an HTTP answer, maybe under the FileNotFoundError(s) fsspec raises
+    while refused is not None and not isinstance(refused, aiohttp.ClientResponseError):
+        refused = refused.__cause__ or refused.__context__
+    if refused is not None and refused.status != 404:
+        return f"HTTP {refused.status} {refused.message}"
+    if isinstance(error, (FileNotFoundError, aiohttp.ClientResponseError)):
         return "no such file"
     if isinstance(error, KeyError):
         return f"no member {error} in the zip"

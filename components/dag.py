@@ -7,12 +7,17 @@ The Prefect flow uses the same keys as its cache keys.
 
 One switch shapes the graph, `distill.enabled`: when on, the teacher's translations of
 the training sources (`distill`), encoded like the originals (`encode_distilled`), are
-what the student (`student`) trains on; when off, those two stages are not part of the run
-and the student reads the original `encode` artifact, as the teacher always does. So the
-switch changes the student's key (and its dependents'), never the teacher's:
+what the student (`student`) and the AR student (`ar_student`) train on; when off, those
+two stages are not part of the run and the students read the original `encode` artifact,
+as the teacher always does. So the switch changes the students' keys (and their
+dependents'), never the teacher's:
 
-  prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─► student ─► decode ─► score
-                        └──────────── (distill.enabled: false) ─────────────┘
+  prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─┬─► student ────┬─► decode ─► score
+                        │                                               ├─► ar_student ─┘
+                        └──────────── (distill.enabled: false) ─────────┘
+
+The AR student is part of the run only when a decode method decodes with it
+(`model: ar_student`); decode reads it then, and its key covers the AR student's.
 """
 
 from __future__ import annotations
@@ -47,37 +52,54 @@ STAGES: dict[str, StageSpec] = {
                          entry="pipelines.distill:run", beam=True),
     "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab"),
                                   entry="pipelines.encode_distilled:run", beam=True),
-    # Reads "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
+    # Read "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
     "student": StageSpec(sections=("student", "seed"), inputs=("prepare", "vocab", "encode"),
                          entry="pipelines.student:run", beam=False),
-    "decode": StageSpec(sections=("decode",), inputs=("prepare", "vocab", "teacher", "student"),
+    "ar_student": StageSpec(sections=("ar_student", "seed"),
+                            inputs=("prepare", "vocab", "encode"),
+                            entry="pipelines.ar_student:run", beam=False),
+    # Reads "ar_student" only when a method decodes with it (`inputs`).
+    "decode": StageSpec(sections=("decode",),
+                        inputs=("prepare", "vocab", "teacher", "student", "ar_student"),
                         entry="pipelines.decode:run", beam=True),
     "score": StageSpec(sections=(), inputs=("prepare", "decode"),
                        entry="pipelines.score:run", beam=False),
 }
 DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
+STUDENTS = ("student", "ar_student")  # train on `student_data`, may start from the teacher
 
 
 def student_data(config: Config) -> str:
-    """The encode stage whose pairs the student trains on: the distilled ones
+    """The encode stage whose pairs the students train on: the distilled ones
     when `distill.enabled`, else the original ones, which the teacher always trains on."""
     return "encode_distilled" if config.distill.enabled else "encode"
 
 
 def inputs(config: Config, stage: str) -> tuple[str, ...]:
-    """The upstream stages whose artifacts `stage` reads under this config (the student
-    also reads the teacher when it starts from it, `student.init_from_teacher`)."""
+    """The upstream stages whose artifacts `stage` reads under this config: a student
+    also reads the teacher when it starts from it (`init_from_teacher`); decode reads
+    the AR student only when a method decodes with it."""
     spec = STAGES[stage]
-    if stage != "student":
+    if stage == "decode" and "ar_student" not in config.decode.models:
+        return tuple(name for name in spec.inputs if name != "ar_student")
+    if stage not in STUDENTS:
         return spec.inputs
     names = tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
-    return names + ("teacher",) if config.student.init_from_teacher else names
+    return names + ("teacher",) if config.section(stage).init_from_teacher else names
+
+
+def inactive_reason(config: Config, stage: str) -> str | None:
+    """Why a run of this config does not compute `stage`, or None if it does."""
+    if stage in DISTILL_STAGES and not config.distill.enabled:
+        return "distill.enabled is false"
+    if stage == "ar_student" and stage not in inputs(config, "decode"):
+        return "no decode method has model: ar_student"
+    return None
 
 
 def active_stages(config: Config) -> tuple[str, ...]:
     """The stages a run of this config computes, in registration order."""
-    return tuple(name for name in STAGES
-                 if config.distill.enabled or name not in DISTILL_STAGES)
+    return tuple(name for name in STAGES if inactive_reason(config, name) is None)
 
 
 def graph(config: Config) -> dict[str, tuple[str, ...]]:

@@ -30,6 +30,7 @@ import urllib.request
 import uuid
 from typing import Iterable, MutableMapping, Optional
 
+from components import logs
 from components.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,11 @@ MULTI30K_SHA256 = {
 
 
 class FetchError(RuntimeError):
-    """A file that could not be fetched: one line naming the URL or file and what to do."""
+    """A file that could not be fetched: one line naming the URL (its secrets redacted,
+    `logs.redact`) or file and what to do."""
+
+    def __init__(self, message: str):
+        super().__init__(logs.redact(message))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +148,7 @@ def fetch(name: str, root: str, *, base_url: Optional[str] = None) -> str:
     except OSError as e:
         raise FetchError(f"cannot write into {root}: {e.strerror or e}; set XDG_CACHE_HOME to "
                          f"a writable directory, or {ADVICE}") from e
-    log.info("fetching %s into %s", url, root)
+    log.info("fetching %s into %s", logs.redact_url(url), root)
     try:
         with out:
             sha256 = _download(url, out)

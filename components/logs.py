@@ -7,6 +7,8 @@ should show the stages, not every orbax save, Prefect API request or Beam type h
 from __future__ import annotations
 
 import logging
+import re
+from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 QUIET_LOGGERS = (
@@ -23,6 +25,55 @@ DROPPED_MESSAGES = ("Resource module is not available for current platform",
                     "Given directory is read only")
 
 
+# A URL (scheme://...) up to a space, a quote, a bracket or fsspec's `::` chaining, less
+# the punctuation that ends a sentence or a clause after it.
+_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://(?:(?!::)[^\s'\"<>])*(?<![:,.;)\]])")
+REDACTED = "***"
+
+
+def redact_url(url: str) -> str:
+    """`url` without secrets: its userinfo and each query value become `***` (a signed
+    URL's signature, a token, a password), so that an error, a log or a manifest that names
+    it leaks nothing."""
+    scheme, _, rest = url.partition("://")
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority, rest = rest[:end], rest[end:]
+    if "@" in authority:
+        authority = f"{REDACTED}@{authority.rpartition('@')[2]}"
+    path, question, query = rest.partition("?")
+    if question:
+        query, hash_, fragment = query.partition("#")
+        query = "&".join(f"{part.partition('=')[0]}={REDACTED}" if "=" in part else REDACTED
+                         for part in query.split("&")) + hash_ + fragment
+    return f"{scheme}://{authority}{path}{question}{query}"
+
+
+def redact(text: str) -> str:
+    """`text` with every URL in it redacted (`redact_url`)."""
+    return _URL.sub(lambda match: redact_url(match.group(0)), text) if "://" in text else text
+
+
+def redact_values(value: Any) -> Any:
+    """`value` (JSON-like) with every URL in its strings redacted."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_values(v) for v in value)
+    return value
+
+
+class _Redact(logging.Filter):
+    """Redacts the URLs of every record, whoever logs it (a library that names a URL)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "://" in message:
+            record.msg, record.args = redact(message), ()
+        return True
+
+
 class _DropMessages(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(DROPPED_MESSAGES)
@@ -30,13 +81,14 @@ class _DropMessages(logging.Filter):
 
 def configure(level: int = logging.INFO) -> None:
     """`level` (INFO; DEBUG with `padir --debug`, which adds each stage's whole resolved
-    config) to stderr, with the noisy libraries above at WARNING and the messages above
-    dropped."""
+    config) to stderr, with the noisy libraries above at WARNING, the messages above
+    dropped and every URL redacted."""
     logging.basicConfig(level=level, format=FORMAT)
     root = logging.getLogger()
     root.setLevel(level)  # also when something configured it first
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in root.handlers:
-        if not any(isinstance(f, _DropMessages) for f in handler.filters):
-            handler.addFilter(_DropMessages())
+        for kind in (_DropMessages, _Redact):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())

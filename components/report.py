@@ -16,17 +16,24 @@ Per method: its setting (`describe_setting`: what its kind reads of the decode c
 sacreBLEU BLEU and chrF with their signatures, tokenised lowercased BLEU (only to compare
 with published figures that use it), stutter (components/metrics.py), latency per sentence
 at batch 1 (mean, median, p90, p99 over the latency sample), batched throughput (sentences
-and tokens per second of decode time), mean decoder passes, and speedups over the AR
+and tokens per second of decode time), sequential decoder calls per sentence (the figure
+that predicts an accelerator at batch 1, never called a speedup), draft and verify's rounds
+and accepted tokens per round (`draft_cost`), and speedups over the AR
 baselines: the first method of each kind of `BASELINE_KINDS` (our JAX search, `ar_greedy`
-and `ar_beam`, and the teacher served by CTranslate2, `ct2_greedy` and `ct2_beam`). A latency
-speedup is baseline latency / method latency per statistic (> 1: faster); a throughput
-speedup is method sentences/s / baseline sentences/s. Both were measured in one decode job,
-one decode at a time, on the same machine. The markdown then says in words, per PaDIR
-method and baseline, in which regime (batch 1 median and p99, batched throughput) PaDIR is
-faster and in which it is not, with its BLEU against the baseline's.
+and `ar_beam`, and the teacher served by CTranslate2, `ct2_greedy` and `ct2_beam`) that
+decodes with the teacher: the AR student's rows are compared with them, never one of them.
+A latency speedup is baseline latency / method latency per statistic (> 1: faster); a
+throughput speedup is method sentences/s / baseline sentences/s. Both were measured in one
+decode job, one decode at a time, on the same machine. The markdown then says in words, per method of
+the student and per regime (batch 1 median and p99, batched throughput), how it compares
+with the fastest AR row of that regime, whichever model and engine that is, with both
+BLEUs, and in which regimes it is on the BLEU/speed frontier (no row both as fast and as
+good). Last, per CTranslate2 method and pass, every thread setting its sweep timed beside
+the one it chose (the decode manifest's `ctranslate2_sweep`, given to `build_report`).
 
-Plots (matplotlib, Agg backend, imported on use): BLEU against median latency per method,
-stutter per method, and latency against source length; one of each per test set. And the
+Plots (matplotlib, Agg backend, imported on use): BLEU against median latency at batch 1
+and against batched throughput, every method a point and the frontier drawn; stutter per
+method; latency against source length; one of each per test set. And the
 student's dev BLEU against its training steps (`dev_curve`, from its TensorBoard event
 files), so that a reader sees whether more training would pay.
 """
@@ -45,7 +52,7 @@ from components.config import DECODERS, DecodeMethod
 
 BASELINE_KINDS = ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam")
 REGIMES = (("median", "batch 1 median"), ("p99", "batch 1 p99"), ("throughput", "batched"))
-PLOTS = ("bleu_vs_latency", "stutter", "latency_vs_length")
+PLOTS = ("bleu_vs_latency", "bleu_vs_throughput", "stutter", "latency_vs_length")
 DEV_CURVE_PLOT = "student_dev_bleu"  # plots/student_dev_bleu.png, when the curve is known
 
 
@@ -65,13 +72,16 @@ class MethodResult:
     mean_passes: float
     truncated: int  # sources cut to the widest length bucket
     setting: str = ""  # describe_setting of the method ("" where unknown)
+    stage: str = ""  # DecodeMethod.stage: the model it decoded with ("" where unknown)
+    draft: Optional[Mapping[str, float]] = None  # draft_verify's cost (`draft_cost`)
 
 
 def describe_setting(method: DecodeMethod) -> str:
     """The settings a method's kind reads (`config.DECODERS`), in words, in that order:
     "greedy", "beam 4, length penalty 0.6", "iterations 4, 1 length candidate x offsets (0)",
     "2 tokens per pass by margin, 3 length candidates x offsets (-1, 0, 1)"; `init` only
-    when it is not the default [MASK] ("init random"); "shortlist" last when it is on
+    when it is not the default [MASK] ("init random"); the AR model only when it is not
+    the teacher ("greedy, model ar_student"); "shortlist" last when it is on
     ("greedy, shortlist")."""
     reads = DECODERS[method.kind].options
     words = []
@@ -82,7 +92,8 @@ def describe_setting(method: DecodeMethod) -> str:
         elif option == "length_penalty":
             words.append(f"length penalty {value:g}")
         elif option == "iterations":
-            words.append(f"iterations {value}")
+            words.append(f"{value} student pass{'' if value == 1 else 'es'} a draft"
+                         if method.kind == "draft_verify" else f"iterations {value}")
         elif option == "num_length_candidates":
             offsets = ", ".join(str(offset) for offset in method.length_offsets)
             words.append(f"{value} length candidate{'' if value == 1 else 's'} x offsets "
@@ -101,9 +112,16 @@ def describe_setting(method: DecodeMethod) -> str:
                 words.append(f"init {value}")
         elif option == "compute_type":
             words.append(f"CTranslate2 {value}")
-        elif option != "shortlist":
+        elif option == "tolerance_top_k":
+            words.append("exact" if value == 1 else
+                         f"tolerant: top {value} within {method.tolerance_margin:g} nats")
+        elif option == "tolerance_margin":
+            pass  # with tolerance_top_k
+        elif option not in ("shortlist", "model"):
             words.append(f"{option.replace('_', ' ')} {value}")
     words = words or [method.kind.replace("ar_", "")]
+    if method.stage != DECODERS[method.kind].stage:
+        words.append(f"model {method.stage}")
     return ", ".join(words + (["shortlist"] if method.shortlist else []))
 
 
@@ -125,10 +143,11 @@ def throughput(records: Sequence[Mapping[str, Any]], batch_size: int) -> dict[st
 def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
                  references: Sequence[str], throughput: Mapping[str, Any],
                  latency_records: Sequence[Mapping[str, Any]], *,
-                 setting: str = "", target_lang: str = "") -> MethodResult:
+                 setting: str = "", target_lang: str = "", stage: str = "") -> MethodResult:
     """Scores one method's decode records against their references (same order); its
     latency comes from the records of the batch-1 pass, `latency_records`; `setting` is
-    its `describe_setting`; `target_lang` picks BLEU's tokeniser (`metrics.corpus_bleu`)."""
+    its `describe_setting`; `target_lang` picks BLEU's tokeniser (`metrics.corpus_bleu`);
+    `stage` is the model it decoded with (`DecodeMethod.stage`, which `baselines` reads)."""
     hypotheses = [record["hypothesis"] for record in records]
     return MethodResult(
         method=method,
@@ -143,12 +162,31 @@ def score_method(method: str, kind: str, records: Sequence[Mapping[str, Any]],
         mean_passes=statistics.fmean(record["passes"] for record in records),
         truncated=sum(1 for record in records if record.get("truncated")),
         setting=setting,
+        stage=stage,
+        draft=draft_cost(records) if records and "rounds" in records[0] else None,
     )
 
 
+def draft_cost(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """What draft and verify cost per sentence (records with `rounds` and `accepted`): the
+    rounds' mean, median and p90, the drafted tokens the teacher accepted per round, and
+    the output tokens per round (accepted + the teacher's own, over greedy's one a step)."""
+    rounds = [record["rounds"] for record in records]
+    total_rounds = sum(rounds)
+    return {
+        "rounds_mean": statistics.fmean(rounds),
+        "rounds_median": metrics.percentile(rounds, 50),
+        "rounds_p90": metrics.percentile(rounds, 90),
+        "accepted_per_round": sum(r["accepted"] for r in records) / total_rounds,
+        "tokens_per_round": sum(r["hypothesis_tokens"] for r in records) / total_rounds,
+    }
+
+
 def baselines(results: Sequence[MethodResult]) -> dict[str, MethodResult]:
-    """Kind -> the first method of that kind, for each of `BASELINE_KINDS` present."""
-    firsts = {kind: next((r for r in results if r.kind == kind), None) for kind in BASELINE_KINDS}
+    """Kind -> the first method of that kind, for each of `BASELINE_KINDS` present, of those
+    that decode with the teacher (or do not say): the AR student is measured, not a baseline."""
+    firsts = {kind: next((r for r in results if r.kind == kind and r.stage != "ar_student"),
+                         None) for kind in BASELINE_KINDS}
     return {kind: result for kind, result in firsts.items() if result is not None}
 
 
@@ -186,7 +224,9 @@ def result_dict(result: MethodResult, bases: Mapping[str, MethodResult]) -> dict
                     **dataclasses.asdict(stutter)},
         "latency_s": dataclasses.asdict(result.latency),
         "throughput": dict(result.throughput),
+        "stage": result.stage,
         "mean_passes": result.mean_passes,
+        **({"draft": dict(result.draft)} if result.draft else {}),
         "speedup": {f"vs_{base.method}": speedups(result, base) for base in bases.values()},
     }
 
@@ -252,8 +292,11 @@ def _scalars(data: bytes) -> Iterator[tuple[str, int, float, float]]:
 
 
 def build_report(results: Mapping[str, Sequence[MethodResult]],
-                 training: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Test set -> its methods' results (and `training_summary`) -> report.json's content."""
+                 training: Mapping[str, Any] | None = None,
+                 ctranslate2_sweep: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    """Test set -> its methods' results (and `training_summary`, and the decode manifest's
+    `ctranslate2_sweep`: the threads each CTranslate2 method was timed with) -> report.json's
+    content."""
     test_sets = {}
     for test_set, methods in results.items():
         bases = baselines(methods)
@@ -261,7 +304,8 @@ def build_report(results: Mapping[str, Sequence[MethodResult]],
             "baselines": {kind: base.method for kind, base in bases.items()},
             "methods": [result_dict(result, bases) for result in methods],
         }
-    return {"training": dict(training or {}), "test_sets": test_sets}
+    return {"training": dict(training or {}), "test_sets": test_sets,
+            "ctranslate2_sweep": [dict(sweep) for sweep in ctranslate2_sweep]}
 
 
 def headline(report: Mapping[str, Any]) -> dict[str, Any]:
@@ -308,13 +352,19 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += [f"## {test_set} ({sentences} sentences)", "", "### Quality", ""]
         lines += _table(
             ["method", "kind", "setting", "BLEU", "chrF", "BLEU tok+lc", "stutter (% sent.)",
-             "stutter /100 words", "passes"],
+             "stutter /100 words", "sequential calls"],
             [[m["method"], m["kind"], m.get("setting") or "–", _number(m["bleu"]["score"]),
               _number(m["chrf"]["score"]),
               _number(m["bleu_tok_lc"]["score"]),
               _number(100 * m["stutter"]["sentence_rate"], 1),
               _number(m["stutter"]["per_100_words"]), _number(m["mean_passes"], 1)]
              for m in methods], text_columns=3)
+        lines += ["", "Sequential calls: decoder calls per sentence that wait on the one "
+                      "before (AR steps, refinement passes, the teacher's scoring or "
+                      "verifying passes). On an accelerator at batch 1 a call over 16 "
+                      "positions costs about what a call over 1 does, so this figure predicts "
+                      "that regime's latency; it is not a speedup measured here."]
+        lines += _draft_lines(methods)
         lines += ["", "### Speed", "",
                   f"Latency per sentence at batch 1 (ms, the first "
                   f"{methods[0]['latency_s']['count']} sentences); throughput batched "
@@ -349,29 +399,107 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                   "figures that use tokenised lowercased BLEU (components/metrics.py says how "
                   "it differs from theirs).", ""]
         lines += [f"![{plot}](plots/{test_set}/{plot}.png)" for plot in PLOTS] + [""]
+    lines += _sweep_lines(report.get("ctranslate2_sweep") or [])
     return "\n".join(lines)
 
 
+def _sweep_lines(sweeps: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per CTranslate2 method and pass, every thread setting its sweep timed, the chosen
+    one marked (pipelines/decode.py `sweep_ctranslate2`)."""
+    if not sweeps:
+        return []
+    some = sweeps[0]
+    lines = ["## CTranslate2's threads", "",
+             f"Each CTranslate2 method decoded each pass with the threads its sweep chose: "
+             f"every setting below decoded the first {some['sentences']} sentences of "
+             f"{some['test_set']} {some['repeats']} times on {some['cpus']} CPUs (medians), "
+             "in a process of its own.", ""]
+    rows = []
+    for sweep in sweeps:
+        for regime in ("latency", "batched"):
+            about = sweep[regime]
+            for setting in about["settings"]:
+                threads = {key: setting[key] for key in about["chosen"]}
+                rows.append([sweep["method"], regime, str(about["batch_size"]),
+                             f"{setting['intra_threads']} x {setting['inter_threads']}",
+                             _number(setting.get("median_ms")),
+                             _number(setting.get("sentences_per_s"), 1),
+                             "chosen" if threads == about["chosen"] else ""])
+    return lines + _table(["method", "pass", "batch", "intra x inter threads", "median ms",
+                           "sentences/s", ""], rows, text_columns=2) + [""]
+
+
+def speed(method: Mapping[str, Any], stat: str) -> float:
+    """A method's speed in a regime (`REGIMES`), larger is faster: sentences/s batched,
+    else the negated batch-1 latency statistic."""
+    if stat == "throughput":
+        return method["throughput"].get("sentences_per_s") or 0.0
+    return -method["latency_s"][stat]
+
+
+def on_frontier(methods: Sequence[Mapping[str, Any]], stat: str) -> list[bool]:
+    """Per method, whether no other method is at least as fast in regime `stat` and at
+    least as good in BLEU, and strictly better in one (the BLEU/speed Pareto frontier)."""
+    points = [(speed(m, stat), m["bleu"]["score"]) for m in methods]
+    return [not any(s >= x and b >= y and (s > x or b > y) for s, b in points)
+            for x, y in points]
+
+
+def _ratio(method: Mapping[str, Any], other: Mapping[str, Any], stat: str) -> float:
+    """How many times faster `method` is than `other` in regime `stat` (> 1: faster)."""
+    if stat == "throughput":
+        return speed(method, stat) / speed(other, stat) if speed(other, stat) else float("nan")
+    mine = method["latency_s"][stat]
+    return other["latency_s"][stat] / mine if mine else float("nan")
+
+
 def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
-    """Per PaDIR method (kind `padir`) and baseline: the regimes where it is faster, those
-    where it is not, and its BLEU against the baseline's."""
-    bleu = {m["method"]: m["bleu"]["score"] for m in entry["methods"]}
+    """Per method of the student (every PaDIR decoding, draft and verify included) and per
+    regime: its speed against the fastest AR row of that regime, whichever model and engine
+    that is (the teacher or the AR student, our search or CTranslate2), with the BLEU of
+    both; and the regimes where it is on the BLEU/speed frontier."""
+    methods = entry["methods"]
+    ar = [m for m in methods if m["kind"] in BASELINE_KINDS]
+    frontier = {stat: dict(zip((m["method"] for m in methods), on_frontier(methods, stat)))
+                for stat, _ in REGIMES}
     lines = []
-    for m in entry["methods"]:
-        if m["kind"] != "padir":
+    for m in methods:
+        if DECODERS[m["kind"]].stage != "student" or not ar:
             continue
-        for name in entry["baselines"].values():
-            ratios = m["speedup"][f"vs_{name}"]
-            measured = [(words, ratios[stat]) for stat, words in REGIMES
-                        if ratios[stat] is not None]
-            wins = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio > 1]
-            losses = [f"{words} {ratio:.2f}x" for words, ratio in measured if ratio <= 1]
-            verdict = "; ".join([*([f"faster at {', '.join(wins)}"] if wins else []),
-                                 *([f"not faster at {', '.join(losses)}"] if losses else [])])
-            lines.append(f"- {m['method']} against {name}: {verdict}; BLEU "
-                         f"{bleu[m['method']] - bleu[name]:+.2f}.")
-    return ["", "Where PaDIR wins (speedup > 1x) and where it does not:", ""] + lines \
-        if lines else []
+        bleu = m["bleu"]["score"]
+        parts = []
+        for stat, words in REGIMES:
+            fastest = max(ar, key=lambda a: speed(a, stat))
+            ratio = _ratio(m, fastest, stat)
+            parts.append(f"{words} {'faster' if ratio > 1 else 'slower'}, {ratio:.2f}x "
+                         f"{fastest['method']} (BLEU {bleu - fastest['bleu']['score']:+.2f})")
+        best = [words for stat, words in REGIMES if frontier[stat][m["method"]]]
+        lines.append(f"- {m['method']} (BLEU {bleu:.2f}): {'; '.join(parts)}. On the "
+                     f"BLEU/speed frontier: {', '.join(best) if best else 'in no regime'}.")
+    if not lines:
+        return []
+    return ["", "Where PaDIR wins and where it does not: each method of the student against "
+                "the fastest AR row of each regime (> 1x: faster), and the regimes where no "
+                "other row is both as fast and as good:", ""] + lines
+
+
+def _draft_lines(methods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Draft and verify's cost per sentence, against greedy's steps where it is measured."""
+    drafted = [m for m in methods if m.get("draft")]
+    if not drafted:
+        return []
+    greedy = next((m for m in methods if m["kind"] == "ar_greedy"
+                   and m.get("stage", "teacher") == "teacher"), None)
+    steps = f" (greedy: {greedy['mean_passes']:.1f} steps)" if greedy else ""
+    lines = ["", f"Draft and verify, per sentence{steps}: rounds (each a student draft and a "
+                 "teacher pass), drafted tokens the teacher accepted per round, and output "
+                 "tokens per round (greedy: 1).", ""]
+    return lines + _table(
+        ["method", "rounds mean", "median", "p90", "accepted / round", "tokens / round"],
+        [[m["method"], _number(m["draft"]["rounds_mean"], 1),
+          _number(m["draft"]["rounds_median"], 0), _number(m["draft"]["rounds_p90"], 0),
+          _number(m["draft"]["accepted_per_round"]), _number(m["draft"]["tokens_per_round"])]
+         for m in drafted])
 
 
 def _training_lines(training: Mapping[str, Any]) -> list[str]:
@@ -447,6 +575,29 @@ def _plot_dev_curve(plt, curve: Sequence[Mapping[str, Any]], path: str) -> str:
     return path
 
 
+def _plot_frontier(plt, methods: Sequence[Mapping[str, Any]], stat: str, path: str, *,
+                   xlabel: str, title: str) -> str:
+    """BLEU against speed in one regime, every method a point (squares: AR rows), the
+    BLEU/speed frontier drawn through the methods no other beats on both."""
+    figure, axes = plt.subplots(figsize=(6.5, 4.5))
+    x = [1e3 * m["latency_s"][stat] if stat != "throughput" else speed(m, stat)
+         for m in methods]
+    for m, value in zip(methods, x):  # a legend, not labels by the points: they crowd
+        axes.scatter([value], [m["bleu"]["score"]], label=m["method"],
+                     marker="s" if m["kind"] in BASELINE_KINDS else "o")
+    best = sorted((value, m["bleu"]["score"]) for value, m, keep
+                  in zip(x, methods, on_frontier(methods, stat)) if keep)
+    if best:
+        axes.step([p[0] for p in best], [p[1] for p in best], color="gray", linewidth=1,
+                  where="post" if stat != "throughput" else "pre", label="frontier")
+    axes.set(xlabel=xlabel, ylabel="sacreBLEU", title=title)
+    axes.legend(fontsize=7, ncol=2, loc="best")
+    axes.grid(alpha=0.3)
+    _save(figure, path)
+    plt.close(figure)
+    return path
+
+
 def write_plots(report: Mapping[str, Any],
                 latency_records: Mapping[str, Mapping[str, Sequence[Mapping[str, Any]]]],
                 out_uri: str) -> list[str]:
@@ -474,16 +625,12 @@ def write_plots(report: Mapping[str, Any],
         def path(plot: str) -> str:
             return artifacts.join(out_uri, "plots", test_set, f"{plot}.png")
 
-        figure, axes = plt.subplots(figsize=(6.5, 4.5))
-        for m in methods:  # a legend, not labels by the points: methods often coincide
-            axes.scatter([1e3 * m["latency_s"]["median"]], [m["bleu"]["score"]],
-                         marker="s" if m["kind"] in BASELINE_KINDS else "o", label=m["method"])
-        axes.set(xlabel="median latency per sentence, batch 1 (ms)", ylabel="sacreBLEU",
-                 title=f"{test_set}: quality against latency")
-        axes.legend(fontsize=7, ncol=2, loc="lower right")
-        axes.grid(alpha=0.3)
-        _save(figure, path("bleu_vs_latency"))
-        plt.close(figure)
+        _plot_frontier(plt, methods, "median", path("bleu_vs_latency"),
+                       xlabel="median latency per sentence, batch 1 (ms)",
+                       title=f"{test_set}: quality against latency at batch 1")
+        _plot_frontier(plt, methods, "throughput", path("bleu_vs_throughput"),
+                       xlabel=f"sentences per second, batch {_batch_size(methods)}",
+                       title=f"{test_set}: quality against batched throughput")
 
         figure, axes = plt.subplots(figsize=(max(6.0, 0.7 * len(methods)), 4.0))
         rates = [100 * m["stutter"]["sentence_rate"] for m in methods]

@@ -216,17 +216,19 @@ def _reads_corpora(args: argparse.Namespace) -> bool:
 
 def _add_translate_command(commands) -> None:
     translate = commands.add_parser(
-        "translate", help="translate stdin line by line with a teacher or student artifact",
+        "translate", help="translate stdin line by line with a training artifact (an AR "
+                          "model or the student)",
         description="Reads UTF-8 sentences from stdin, prints exactly one translation per "
                     "line. A line that is not UTF-8 gets an empty output line; it and a "
                     "source cut to the widest length bucket are reported on stderr, and the "
                     "first makes the exit status 1. Options a method does not use are an "
                     "error; unset ones take the defaults of components.config.DecodeMethod.")
     translate.add_argument("--checkpoint", required=True, metavar="DIR",
-                           help="a published teacher or student artifact, relative or absolute, "
-                                "e.g. work/multi30k_en_de/student/<key>")
+                           help="a published teacher, ar_student or student artifact, relative "
+                                "or absolute, e.g. work/multi30k_en_de/student/<key>")
     translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
-                           help="default: padir for a student artifact, ar_beam for a teacher")
+                           help="default: padir for a student artifact, ar_beam for an AR one "
+                                "(teacher, ar_student)")
     hints = typing.get_type_hints(config_lib.DecodeMethod)
     for field in config_lib.decode_options():
         _add_decode_option(translate, field, hints[field.name])
@@ -274,9 +276,11 @@ def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: in
 def _translate(args: argparse.Namespace) -> int:
     checkpoint = absolute(args.checkpoint)
     stage = artifacts.read(checkpoint).stage
-    kind = args.method or ("ar_beam" if stage == "teacher" else "padir")
+    kind = args.method or ("ar_beam" if stage in config_lib.AR_STAGES else "padir")
     options = {field.name: getattr(args, field.name) for field in config_lib.decode_options()
                if getattr(args, field.name) is not None}
+    if "model" in config_lib.DECODERS[kind].options and stage in config_lib.AR_STAGES:
+        options.setdefault("model", stage)  # an AR kind decodes the AR artifact given
     method = config_lib.DecodeMethod(name=kind, kind=kind, **options)
     if method.stage != stage:  # before the checkpoint is restored
         raise config_lib.ConfigError(f"--method {kind} decodes with a {method.stage!r} "
@@ -288,20 +292,22 @@ def _translate(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size).exit_status
 
 
-# --- `padir export`: the teacher as a CTranslate2 model ---------------------------------------
+# --- `padir export`: an AR model as a CTranslate2 model ---------------------------------------
 
 
 def _add_export_command(commands) -> None:
     export = commands.add_parser(
-        "export", help="write a teacher artifact as a CTranslate2 model (CPU serving)",
-        description="Writes the AR teacher of a published teacher artifact as a CTranslate2 "
-                    "model directory (model.bin, config.json, shared_vocabulary.json) with "
-                    "its SentencePiece model (spm.model); model/ctranslate2_export.py says "
-                    "how the network maps. Sources are SentencePiece pieces followed by "
+        "export", help="write an AR artifact (teacher, ar_student) as a CTranslate2 model "
+                       "(CPU serving)",
+        description="Writes the AR model of a published teacher or ar_student artifact as a "
+                    "CTranslate2 model directory (model.bin, config.json, "
+                    "shared_vocabulary.json) with its SentencePiece model (spm.model); "
+                    "model/ctranslate2_export.py says how the network maps. Sources are SentencePiece pieces followed by "
                     "'</s>'; decode with beam_size, max_decoding_length and "
                     "suppress_sequences as model/ctranslate2_search.py does.")
     export.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="a published teacher artifact, e.g. work/multi30k_en_de/teacher/<key>")
+                        help="a published teacher or ar_student artifact, e.g. "
+                             "work/multi30k_en_de/teacher/<key>")
     export.add_argument("--output", required=True, metavar="DIR",
                         help="the model directory to write (replaced if it exists)")
     export.add_argument("--quantization", choices=("int8", "int16", "float16", "bfloat16"),
@@ -313,9 +319,10 @@ def _export(args: argparse.Namespace) -> int:
     from model import ctranslate2_export, ctranslate2_search, translator  # JAX: only here
 
     checkpoint = absolute(args.checkpoint)
-    if artifacts.read(checkpoint).stage != "teacher":
-        raise config_lib.ConfigError(f"{args.checkpoint} is not a teacher artifact: only the "
-                                     "AR teacher exports to CTranslate2")
+    if artifacts.read(checkpoint).stage not in config_lib.AR_STAGES:
+        raise config_lib.ConfigError(f"{args.checkpoint} is not an AR artifact: only "
+                                     f"{' and '.join(config_lib.AR_STAGES)} export to "
+                                     "CTranslate2")
     loaded = translator.load(checkpoint)
     ctranslate2_export.export(loaded.model.config, loaded.params,
                               ctranslate2_search.pieces(loaded), absolute(args.output),
@@ -459,8 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as e:
         if args.debug:
             raise
-        parser.exit(2, f"padir: error: {e}\n")
-    except artifacts.StageStopped as e:
+        parser.exit(2, f"padir: error: {logs.redact(str(e))}\n")
+    except artifacts.StageStopped as e:  # LeaseLost too: one line, as a stop is
         parser.exit(3, f"padir: {e}\n")
     return 0
 

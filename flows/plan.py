@@ -1,7 +1,9 @@
 """What a pipeline run will do, decided before it starts: no Prefect here.
 
 Every active stage of the config (`components.dag.graph`: the distillation stages only
-with `distill.enabled`) is visited in topological order. A selected stage runs when it is forced (`force`, or at or below `from_stage`), when its artifact is not
+with `distill.enabled`, the AR student only when a decode method reads it) is visited in
+topological order. A selected stage runs when it is forced (`force`, or at or below
+`from_stage`), when its artifact is not
 complete (never built, deleted, or left partial by a crash), or when one of its inputs
 runs; otherwise its complete artifact is reused. The Prefect flow (flows/flow.py)
 executes this plan; `padir status` shows the same facts without running anything.
@@ -62,13 +64,14 @@ def downstream(stage: str, graph: Graph) -> list[str]:
     return [name for name in order if name in affected]
 
 
-def _check_stages(names: Iterable[str], flag: str, graph: Graph) -> None:
+def _check_stages(names: Iterable[str], flag: str, config: Config) -> None:
     for name in names:
         if name not in dag.STAGES:
             raise ConfigError(f"{flag}: unknown stage {name!r} (stages: {list(dag.STAGES)})")
-        if name not in graph:
+        inactive = dag.inactive_reason(config, name)
+        if inactive:
             raise ConfigError(f"{flag}: stage {name!r} is not part of this config's run "
-                              "(distill.enabled is false)")
+                              f"({inactive})")
 
 
 def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str] = None,
@@ -84,9 +87,9 @@ def plan(config: Config, *, from_stage: Optional[str] = None, only: Optional[str
       ConfigError: an unknown stage name, or `only` whose inputs have no complete artifact.
     """
     graph = dag.graph(config)
-    _check_stages(force, "--force", graph)
-    _check_stages([from_stage] if from_stage else [], "--from", graph)
-    _check_stages([only] if only else [], "--only", graph)
+    _check_stages(force, "--force", config)
+    _check_stages([from_stage] if from_stage else [], "--from", config)
+    _check_stages([only] if only else [], "--only", config)
     forced = set(force) | set(downstream(from_stage, graph) if from_stage else ())
     steps: dict[str, StagePlan] = {}
     for stage in topological_order(graph):

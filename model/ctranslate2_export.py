@@ -1,4 +1,5 @@
-"""The AR teacher as a CTranslate2 model: the CPU serving baseline (`padir export`).
+"""An AR model (the teacher, or the AR student with its own depths) as a CTranslate2 model:
+the CPU serving baseline (`padir export`).
 
 CTranslate2 is what a user would serve an AR Transformer with on CPU, so the decode stage
 measures PaDIR against it as well as against our own JAX search. `transformer_spec` maps
@@ -19,6 +20,12 @@ network (model/transformer.py):
 
 The vocabulary is the SentencePiece model's pieces in id order (ids are equal), the same
 for source and target. Sources are given with their EOS piece, as our encoder reads them.
+
+A shortlist table (model/shortlist.py) can go with the export as CTranslate2's vocabulary
+map (`vmap.txt`, read when `translate_batch(use_vmap=True)`): a line with no source piece
+lists the pieces always scored, and a line per real source piece its own piece and the
+pieces most associated with it, so that a batch scores the same union as our `select`
+(without its padding to a size step).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import numpy as np
 from components.config import ModelConfig
 from components.tokenizer import BOS_ID, EOS_ID, NUM_RESERVED, UNK_ID
 from components.tokenizer import RESERVED_PIECES
+from model import shortlist
 
 RMS_NORM_EPSILON = 1e-6  # flax.linen.RMSNorm's default, which model/transformer.py keeps
 SPM_FILE = "spm.model"  # the SentencePiece model, copied beside the export for users
+VMAP_FILE = "vmap.txt"  # the vocabulary map, read from the model directory by CTranslate2
 
 
 def _array(x: Any) -> np.ndarray:
@@ -112,17 +121,30 @@ def check_pieces(pieces: Sequence[str]) -> None:
         raise ValueError("a CTranslate2 vocabulary needs distinct pieces")
 
 
+def vocabulary_map_lines(table: shortlist.Shortlist, pieces: Sequence[str]) -> list[str]:
+    """A shortlist table as the lines of CTranslate2's vocabulary map: `source piece \t
+    target pieces`, the first line's source empty (the pieces every batch may score)."""
+    lines = ["\t" + " ".join(pieces[i] for i in np.flatnonzero(table.always))]
+    for source in range(NUM_RESERVED, table.vocab_size):
+        associated = table.by_source[source]
+        targets = [source] + [int(i) for i in associated[associated >= 0] if i != source]
+        lines.append(pieces[source] + "\t" + " ".join(pieces[i] for i in targets))
+    return lines
+
+
 def export(config: ModelConfig, params: Any, pieces: Sequence[str], output_dir: str, *,
-           quantization: Optional[str] = None, spm_model: Optional[bytes] = None) -> str:
+           quantization: Optional[str] = None, spm_model: Optional[bytes] = None,
+           vocabulary_map: Optional[shortlist.Shortlist] = None) -> str:
     """Writes the teacher as a CTranslate2 model directory (model.bin, config.json,
-    shared_vocabulary.json; `spm.model` too when `spm_model` is given), replacing one
-    that is there.
+    shared_vocabulary.json; `spm.model` too when `spm_model` is given, `vmap.txt` when
+    `vocabulary_map` is), replacing one that is there.
 
     Args:
       config, params: the teacher's model config and parameters.
       pieces: the vocabulary, id order (`Tokenizer.id_to_piece` over every id).
       quantization: CTranslate2's weight type on disk (None: float32); a translator may
         still pick another `compute_type` when it loads the model.
+      vocabulary_map: a shortlist table of the model's training pairs, for `use_vmap`.
     Returns:
       `output_dir`.
     """
@@ -142,4 +164,7 @@ def export(config: ModelConfig, params: Any, pieces: Sequence[str], output_dir: 
     if spm_model is not None:
         with open(os.path.join(output_dir, SPM_FILE), "wb") as f:
             f.write(spm_model)
+    if vocabulary_map is not None:
+        with open(os.path.join(output_dir, VMAP_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(vocabulary_map_lines(vocabulary_map, pieces)) + "\n")
     return output_dir

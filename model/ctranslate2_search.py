@@ -1,11 +1,20 @@
-"""The teacher decoded by CTranslate2: the `ct2_greedy` and `ct2_beam` kinds.
+"""An AR model (the teacher, or the AR student: `DecodeMethod.model`) decoded by
+CTranslate2: the `ct2_greedy` and `ct2_beam` kinds.
 
 A `Translator` (model/translator.py) of these kinds hands each batch to `Search` instead of
 its jitted JAX calls; everything around it (tokenisation, the source cut to the widest
 bucket, the output cap, filler-free batches, the records) is the Translator's, so the rows
 compare with ours sentence for sentence. The teacher is exported once per process and
-artifact (model/ctranslate2_export.py, float32, into a temporary directory) and loaded once
-per compute type: `float32`, or `int8` (weights quantised when CTranslate2 loads them).
+artifact (model/ctranslate2_export.py, float32, into a temporary directory; with a
+vocabulary map when the method has `shortlist`) and served by a `Worker`: a child process
+(model/ctranslate2_worker.py) that imports CTranslate2 and never JAX, one per export,
+compute type (`float32`, or `int8`: weights quantised when CTranslate2 loads them) and
+`Threads`, started on first use and closed when this process exits.
+
+Why a process of its own: CTranslate2's threads that share cores with XLA's pool run it
+several-fold slower (the demo's teacher at batch 1: 24 ms a sentence in the decode stage's
+process, 4 ms alone). In the worker, only the parent's idle threads are beside it: the
+parent waits on the pipe while the worker translates.
 
 Search settings, against ours (model/beam_search.py):
   * the same output cap (`max_decoding_length`, EOS counted), no minimum length, and the
@@ -15,42 +24,66 @@ Search settings, against ours (model/beam_search.py):
     ours does, but CTranslate2 4.x normalises a finished hypothesis's log-probability by
     length ** length_penalty (length counting EOS), where ours divides by the GNMT
     penalty ((5 + length) / 6) ** length_penalty. At length_penalty 0 the two are token
-    for token equal; at 0.6 a sentence may end on another hypothesis.
+    for token equal; at 0.6 a sentence may end on another hypothesis;
+  * `shortlist`: CTranslate2's own shortlist, its vocabulary map (`use_vmap`), built from
+    the same table as ours (model/shortlist.py; ours pads its selection with frequent
+    pieces to a size step, CTranslate2 does not).
 
-Timing, as the Translator times ours: `batch_seconds` is the wall time of the
-`translate_batch` call (the pieces are looked up before, the ids after); it is all search
-(`encode_seconds` 0). Threads: one translation at a time (`inter_threads` 1) over as many
-threads as XLA's CPU runtime uses (`intra_threads` = the CPUs this process may run on),
-which wait for work passively (`OMP_WAIT_POLICY=PASSIVE` unless set): spinning, they slow
-CTranslate2 down several-fold whenever XLA's threads or another job share the cores (beam 4
-on 2 shared cores: 3.7 sentences/s spinning, 160 passive).
-The device is the one JAX decodes on (the CPU, or CUDA where JAX runs on a GPU).
+Threads (`Threads`: CTranslate2's `intra_threads`, the threads of one translation, and
+`inter_threads`, translations run in parallel): the decode stage chooses them per regime
+by timing (model/ctranslate2_sweep.py); elsewhere (distillation, `padir translate`) one
+translation at a time over the CPUs this process may run on. A batch is cut into
+`inter_threads` sub-batches (`max_batch_size`), which CTranslate2 translates in parallel.
+
+Timing: `batch_seconds` is the wall time of the `translate_batch` call, measured in the
+worker (the pieces are looked up before, the ids after, the pipe outside); it is all
+search (`encode_seconds` 0). The device is the one JAX decodes on (the CPU, or CUDA where
+JAX runs on a GPU).
 """
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
+import pickle
+import subprocess
+import sys
 import tempfile
 import threading
-import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 
 from components.config import DecodeMethod
 from components.tokenizer import PAD_ID
-from model import ctranslate2_export
+from model import ctranslate2_export, shortlist
 from model.transformer import NON_TARGET_IDS
 
 KINDS = ("ct2_greedy", "ct2_beam")
 _LOCK = threading.Lock()
-_EXPORTS: dict[str, tempfile.TemporaryDirectory] = {}  # artifact URI -> its export
-_TRANSLATORS: dict[tuple[str, str], Any] = {}  # (artifact URI, compute type) -> translator
+_EXPORTS: dict[tuple[str, bool], tempfile.TemporaryDirectory] = {}  # (URI, vmap) -> export
+_WORKERS: dict[tuple, "Worker"] = {}  # (model dir, device, compute type, Threads) -> worker
 
 
-def intra_threads() -> int:
-    """The threads XLA's CPU runtime computes with: the CPUs this process may run on."""
+class WorkerError(RuntimeError):
+    """The CTranslate2 worker failed to load its model or to translate, or died."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Threads:
+    """CTranslate2's thread setting (its names)."""
+
+    intra_threads: int
+    inter_threads: int = 1
+
+    def __str__(self) -> str:
+        return f"intra {self.intra_threads} x inter {self.inter_threads}"
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0))
 
 
@@ -65,34 +98,112 @@ def pieces(loaded: Any) -> list[str]:
     return [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
 
 
-def load(loaded: Any, compute_type: str) -> Any:
-    """A `ctranslate2.Translator` of a loaded teacher (model/translator.py `LoadedModel`),
-    exported and loaded once per process."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when the library loads
-    import ctranslate2
+class Worker:
+    """A CTranslate2 translator in a child process (model/ctranslate2_worker.py).
 
+    Raises WorkerError, with the worker's traceback, if it cannot load the model.
+    """
+
+    def __init__(self, model_dir: str, *, device: str, compute_type: str, threads: Threads):
+        self.description = f"CTranslate2 worker ({model_dir}, {compute_type}, {threads})"
+        self._lock = threading.Lock()
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "model.ctranslate2_worker"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE)
+        try:
+            self._exchange({"model_dir": model_dir, "device": device,
+                            "compute_type": compute_type, **dataclasses.asdict(threads)})
+        except WorkerError:
+            self.close()
+            raise
+
+    def translate(self, rows: Sequence[Sequence[str]], options: dict[str, Any]
+                  ) -> tuple[list[list[str]], list[Optional[float]], float]:
+        """`translate_batch(rows, **options)` in the worker: (best hypothesis per row, its
+        score or None, seconds the call took in the worker)."""
+        return self._exchange((list(rows), options))
+
+    def _exchange(self, message: Any) -> Any:
+        with self._lock:
+            try:
+                pickle.dump(message, self._process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                self._process.stdin.flush()
+                status, value = pickle.load(self._process.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError) as error:
+                code = self._process.poll()
+                raise WorkerError(f"{self.description} (pid {self._process.pid}) exited"
+                                  f"{'' if code is None else f' with status {code}'}; its "
+                                  "stderr is this process's") from error
+        if status == "error":
+            raise WorkerError(f"{self.description} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        """Ends the worker: it exits when its input closes."""
+        try:
+            self._process.stdin.close()
+        except BrokenPipeError:  # it died with a request unsent
+            pass
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process.stdout.close()
+
+
+@atexit.register
+def _close_workers() -> None:
     with _LOCK:
-        if loaded.uri not in _EXPORTS:
+        for worker in _WORKERS.values():
+            worker.close()
+        _WORKERS.clear()
+
+
+def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> str:
+    """The CTranslate2 model directory of a loaded teacher (model/translator.py
+    `LoadedModel`), with the vocabulary map of `vocabulary_map` if given; exported once
+    per process."""
+    key = (loaded.uri, vocabulary_map is not None)
+    with _LOCK:
+        if key not in _EXPORTS:
             directory = tempfile.TemporaryDirectory(prefix="padir-ct2-")
             ctranslate2_export.export(loaded.model.config, loaded.params, pieces(loaded),
-                                      os.path.join(directory.name, "model"))
-            _EXPORTS[loaded.uri] = directory
-        key = (loaded.uri, compute_type)
-        if key not in _TRANSLATORS:
-            _TRANSLATORS[key] = ctranslate2.Translator(
-                os.path.join(_EXPORTS[loaded.uri].name, "model"), device=device(),
-                compute_type=compute_type, inter_threads=1, intra_threads=intra_threads())
-        return _TRANSLATORS[key]
+                                      os.path.join(directory.name, "model"),
+                                      vocabulary_map=vocabulary_map)
+            _EXPORTS[key] = directory
+        return os.path.join(_EXPORTS[key].name, "model")
+
+
+def worker(model_dir: str, compute_type: str, threads: Threads) -> Worker:
+    """The worker of a model directory, compute type and thread setting, started once per
+    process."""
+    key = (model_dir, device(), compute_type, threads)
+    with _LOCK:
+        if key not in _WORKERS:
+            _WORKERS[key] = Worker(model_dir, device=key[1], compute_type=compute_type,
+                                   threads=threads)
+        return _WORKERS[key]
 
 
 class Search:
     """One CTranslate2 method over a loaded teacher; called as the Translator calls its
-    jitted pair (`Translator._call`)."""
+    jitted pair (`Translator._call`).
 
-    def __init__(self, loaded: Any, method: DecodeMethod):
+    Args:
+      threads: CTranslate2's threads (default: one translation over all `cpus()`).
+      vocabulary_map: the shortlist table (model/shortlist.py) of a `shortlist` method.
+    """
+
+    def __init__(self, loaded: Any, method: DecodeMethod, *, threads: Optional[Threads] = None,
+                 vocabulary_map: Optional[shortlist.Shortlist] = None):
         if method.kind not in KINDS:
             raise ValueError(f"{method.kind} is not a CTranslate2 kind {KINDS}")
-        self._translator = load(loaded, method.compute_type)
+        if method.shortlist != (vocabulary_map is not None):
+            raise ValueError(f"method {method.name!r}: a vocabulary map goes with shortlist")
+        self.threads = threads or Threads(cpus())
+        self.model_dir = export_dir(loaded, vocabulary_map)
+        self._worker = worker(self.model_dir, method.compute_type, self.threads)
         self._pieces = pieces(loaded)
         self._ids = {piece: i for i, piece in enumerate(self._pieces)}
         beam = method.kind == "ct2_beam"
@@ -100,24 +211,27 @@ class Search:
             beam_size=method.beam_size if beam else 1,
             length_penalty=method.length_penalty if beam else 0.0,
             min_decoding_length=0, return_end_token=True, return_scores=beam,
+            use_vmap=method.shortlist,
             suppress_sequences=[[self._pieces[i]] for i in NON_TARGET_IDS])
+
+    def request(self, source: np.ndarray, max_len: int
+                ) -> tuple[list[list[str]], dict[str, Any]]:
+        """The `translate_batch` call of a batch: (rows of pieces, its kwargs)."""
+        rows = [[self._pieces[i] for i in row if i != PAD_ID] for row in source]
+        return rows, dict(self._options, max_decoding_length=max_len,
+                          max_batch_size=-(-len(rows) // self.threads.inter_threads))
 
     def __call__(self, source: np.ndarray, max_len: int
                  ) -> tuple[dict[str, Optional[np.ndarray]], float, float, float, int, int]:
         """source int32[B, S] (ids + EOS, 0-padded) -> ({"tokens": int32[B, max_len],
         "scores": float32[B] or None, "passes": None}, seconds, encode seconds (0), search
         seconds, width (max_len), columns scored (V))."""
-        rows = [[self._pieces[i] for i in row if i != PAD_ID] for row in source]
-        started = time.perf_counter()
-        results = self._translator.translate_batch(
-            rows, max_batch_size=len(rows), max_decoding_length=max_len, **self._options)
-        seconds = time.perf_counter() - started
-        tokens = np.full((len(rows), max_len), PAD_ID, np.int32)
-        for i, result in enumerate(results):
-            ids = [self._ids[piece] for piece in result.hypotheses[0]]
+        hypotheses, scores, seconds = self._worker.translate(*self.request(source, max_len))
+        tokens = np.full((len(hypotheses), max_len), PAD_ID, np.int32)
+        for i, hypothesis in enumerate(hypotheses):
+            ids = [self._ids[piece] for piece in hypothesis]
             tokens[i, :len(ids)] = ids
-        scores = (np.asarray([r.scores[0] for r in results], np.float32)
-                  if self._options["return_scores"] else None)
-        return ({"tokens": tokens, "scores": scores, "passes": None}, seconds, 0.0, seconds,
-                max_len, len(self._pieces))
-
+        return ({"tokens": tokens,
+                 "scores": (np.asarray(scores, np.float32) if self._options["return_scores"]
+                            else None),
+                 "passes": None}, seconds, 0.0, seconds, max_len, len(self._pieces))

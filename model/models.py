@@ -166,15 +166,24 @@ class ARModel(_BaseModel):
           distribution over target ids (as the searches decode: non-target ids masked);
           0 at PAD.
         """
-        non_pad = targets != PAD_ID  # [N, T]
-        logits = self.module.apply(
-            {"params": params}, encoded, memory_mask, shift_right(targets), non_pad,
-            method=ARTransformer.decode,
-        )  # [N, T, V]
-        logits = mask_non_target_ids(logits.astype(jnp.float32))
+        logits = self.forced_logits(params, encoded, memory_mask, targets)  # [N, T, V]
         target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
         log_probs = target_logit - jax.nn.logsumexp(logits, axis=-1)  # [N, T]
-        return jnp.where(non_pad, log_probs, 0.0)
+        return jnp.where(targets != PAD_ID, log_probs, 0.0)
+
+    def forced_logits(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, targets: jax.Array
+    ) -> jax.Array:
+        """Teacher-forced logits of every position in one decoder pass: position t scores
+        the token after targets[:, :t] (what greedy search would compute at step t, given
+        that prefix), non-target ids masked as the searches mask them.
+
+        targets int32[N, T] ids + EOS, 0-padded -> float32[N, T, V]."""
+        logits = self.module.apply(
+            {"params": params}, encoded, memory_mask, shift_right(targets), targets != PAD_ID,
+            method=ARTransformer.decode,
+        )  # [N, T, V]
+        return mask_non_target_ids(logits.astype(jnp.float32))
 
     def init_cache(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int

@@ -9,7 +9,8 @@ they are to `model.loss_fn`.
 
 A run is `train(model, data, run, mesh)`: what it reads (`TrainData`), what it is asked to
 do (`RunSpec`: steps, optimizer, cadences, checkpoint directory, seed), and the mesh;
-`train_teacher` and `train_student` build the `RunSpec`s of the two training stages.
+`train_teacher` (the AR models: the teacher and the AR student) and `train_student` build
+the `RunSpec`s of the training stages.
 
 Steps are pure module-level functions (`train_step`, `eval_step`) compiled once per batch
 shape with explicit shardings (`jit_*` handles; the state is donated). The per-step RNG is
@@ -770,7 +771,7 @@ def _progress_bar(step: int, total: int, disable: bool):
                 mininterval=0.1 if interactive else 60.0)
 
 
-# --- the two stages that train -------------------------------------------------------------
+# --- the stages that train -----------------------------------------------------------------
 
 
 def _deadline(loop: TrainLoopConfig) -> Optional[float]:
@@ -778,16 +779,28 @@ def _deadline(loop: TrainLoopConfig) -> Optional[float]:
 
 
 def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshConfig, *,
-                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None) -> TrainResult:
-    """The AR teacher: one run of `cfg.steps` single-stage steps.
+                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
+                  warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
+    """An AR model (the teacher, or the AR student: `ARStudentConfig` is a `TeacherConfig`):
+    one run of `cfg.steps` single-stage steps.
 
     Label smoothing (`cfg.label_smoothing`) is part of the teacher's loss: the caller builds
-    `model` with it; the engine only optimises what `model.loss_fn` returns.
+    `model` with it; the engine only optimises what `model.loss_fn` returns. `warm_start`
+    (RunSpec) starts the AR student from the teacher.
     """
     run = RunSpec(num_steps=cfg.steps, optimizer=cfg.optimizer, loop=cfg.loop,
                   checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
-                  deadline=_deadline(cfg.loop))
+                  deadline=_deadline(cfg.loop), warm_start=warm_start)
     return train(model, data, run, mesh)
+
+
+def student_loss_options(cfg: StudentConfig, phase: int) -> dict[str, Any]:
+    """`model.loss_fn`'s static settings in the student's phase 1 (one stage) or phase 2
+    (`cfg.num_stages` unrolled), so that whatever times a phase trains the same loss."""
+    if phase == 1:
+        return dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio)
+    return dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
+                glancing_ratio=cfg.glancing_ratio, min_noise_ratio=cfg.min_noise_ratio)
 
 
 # The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's
@@ -810,7 +823,7 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
-        loss_options=dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio),
+        loss_options=student_loss_options(cfg, phase=1),
         log_dir=log_dir and f"{log_dir}/phase1",
         deadline=_deadline(cfg.loop), warm_start=warm_start,
         predict=functools.partial(refinement.predict_refined, model,
@@ -821,8 +834,6 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase2 = dataclasses.replace(
         phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
         seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
-        loss_options=dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
-                          glancing_ratio=cfg.glancing_ratio,
-                          min_noise_ratio=cfg.min_noise_ratio),
+        loss_options=student_loss_options(cfg, phase=2),
         log_dir=log_dir and f"{log_dir}/phase2")
     return train(model, data, phase2, mesh)

@@ -32,7 +32,8 @@ its sources can need (`model/shortlist.py`: frequent pieces, the source's own pi
 pieces most associated with them), selected on the host per batch from a table built from
 the model's own training pairs (the `encode` or `encode_distilled` artifact its manifest
 names), once per process (`shortlist_table`). The search then compiles once per width and
-shortlist size (a multiple of `shortlist.SIZE_STEP`).
+shortlist size (a multiple of `shortlist.SIZE_STEP`). The CTranslate2 kinds get the same
+table as CTranslate2's vocabulary map (model/ctranslate2_search.py).
 
 Timing. A batch whose shapes (S, cap, T) were not met before is decoded twice and timed the
 second time (the first compiles):
@@ -44,15 +45,19 @@ are on the host; AR: the encoder), the choice of width on the host, and `search_
 is `batch_seconds` divided by the number of real sentences in the batch (an amortised cost,
 not a latency a user would see).
 
-Decoder passes per sentence: for the NAR kinds what `model.refinement` reports; for the AR
-kinds the hypothesis length counting EOS (the steps that produced it; beam search may run
-a few more steps before it knows no live beam can win, each over `beam_size` rows).
-Scores: the beam's length-penalised log-probability (`ar_beam`), the mean token
-log-probability of the chosen candidate (NAR kinds; under the teacher for `padir_rescored`),
-None for `ar_greedy`.
+Decoder passes per sentence (the sequential decoder calls, which set the latency on an
+accelerator at batch 1): for the NAR kinds what `model.refinement` reports (the teacher's
+scoring pass counted for `padir_rescored`); for `draft_verify` rounds x (student passes per
+draft + the teacher's pass); for the AR kinds the hypothesis length counting EOS (the steps
+that produced it; beam search may run a few more steps before it knows no live beam can
+win, each over `beam_size` rows). Scores: the beam's length-penalised log-probability
+(`ar_beam`), the mean token log-probability of the chosen candidate (NAR kinds; under the
+teacher for `padir_rescored`), None for `ar_greedy` and `draft_verify`.
 
-Rescored kinds (`DecodeMethod.rescorer`: `padir_rescored`) decode with two models: the
-student refines its candidates and the teacher picks one (`refinement.refine_rescored`).
+Kinds with a second model (`DecodeMethod.rescorer`: `padir_rescored`, `draft_verify`)
+decode with two: the student refines its candidates and the teacher picks one
+(`refinement.refine_rescored`), or the student drafts and the teacher verifies
+(`draft_verify.draft_verify`, into the whole cap, since a draft may grow).
 The first call runs both encoders, the second the passes and the teacher's scoring pass;
 both are timed like every other kind. The teacher is the `rescorer` given to the
 `Translator` (the decode stage gives its own), else the one the student's artifact was
@@ -77,12 +82,11 @@ from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from model import checkpoints, ctranslate2_search, refinement, shortlist, train
+from model import checkpoints, ctranslate2_search, draft_verify, refinement, shortlist, train
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
 
-TRAINING_STAGES = ("teacher", "student")
 # Checkpoint restores in this process, by artifact URI (tests assert "once per process");
 # traces of the encoding call, by (artifact URI, method name, batch size), one per source
 # bucket; traces of the search, by (artifact URI, method name, batch size, width, columns
@@ -101,7 +105,7 @@ class LoadedModel:
     """A training artifact restored for decoding."""
 
     uri: str
-    stage: str  # "teacher" (ARModel) or "student" (PaDIRModel)
+    stage: str  # "teacher" or "ar_student" (ARModel), or "student" (PaDIRModel)
     step: int
     model: Union[ARModel, PaDIRModel]
     params: Any
@@ -110,7 +114,7 @@ class LoadedModel:
 
 
 def checkpoint_dir(artifact: artifacts.Artifact) -> str:
-    """The checkpoints a published `teacher` or `student` artifact decodes with: the student's
+    """The checkpoints a published training artifact decodes with: the student's
     last phase that trained (a time budget may end training within phase 1)."""
     if artifact.stage == "student":
         phase2 = artifact.path("checkpoints", "phase2")
@@ -134,21 +138,22 @@ def _read_text(uri: str) -> str:
 
 
 def load(uri: str) -> LoadedModel:
-    """Restores a published `teacher` or `student` artifact (see the module docstring).
+    """Restores a published training artifact, `teacher`, `ar_student` or `student` (see the
+    module docstring).
 
     Raises:
       artifacts.IncompleteArtifactError: `uri` has no manifest.
       config_lib.ConfigError: it is not a training artifact.
     """
     artifact = artifacts.read(uri)
-    if artifact.stage not in TRAINING_STAGES:
-        raise config_lib.ConfigError(
-            f"{uri} is a {artifact.stage!r} artifact; decoding needs one of {TRAINING_STAGES}")
+    if artifact.stage not in config_lib.TRAINING_STAGES:
+        raise config_lib.ConfigError(f"{uri} is a {artifact.stage!r} artifact; decoding needs "
+                                     f"one of {config_lib.TRAINING_STAGES}")
     section = artifact.manifest["config"][artifact.stage]
     model_config = config_lib.from_dict(config_lib.ModelConfig, section["model"],
                                         f"{artifact.stage}.model")
     tokenizer = Tokenizer.for_artifact(artifact)
-    if artifact.stage == "teacher":
+    if artifact.stage in config_lib.AR_STAGES:
         model = ARModel(model_config, tokenizer.vocab_size)
     else:
         model = PaDIRModel(model_config, tokenizer.vocab_size, tokenizer.first_real_id)
@@ -211,9 +216,7 @@ def _check_rescorer(loaded: LoadedModel, method: DecodeMethod, rescorer: LoadedM
         raise config_lib.ConfigError(
             f"method {method.name!r} ({method.kind}) rescores with a {method.rescorer!r} "
             f"artifact, not {rescorer.uri} ({rescorer.stage!r})")
-    vocabs = {artifacts.read(model.uri).manifest["inputs"].get("vocab")
-              for model in (loaded, rescorer)}
-    if len(vocabs) != 1:
+    if loaded.tokenizer.model_bytes != rescorer.tokenizer.model_bytes:  # the same pieces
         raise config_lib.ConfigError(
             f"{loaded.uri} and its rescorer {rescorer.uri} use different vocabularies")
 
@@ -234,6 +237,8 @@ class Translation:
     search_seconds: float
     width: int  # output positions decoded (PaDIR: from the lengths; AR: the cap)
     batch_size: int  # real sentences in the decoded batch
+    rounds: Optional[int] = None  # draft_verify: draft-and-verify rounds
+    accepted: Optional[int] = None  # draft_verify: drafted tokens the teacher accepted
 
     def as_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -251,7 +256,7 @@ def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Arr
     `refinement.Candidates` with lengths up to `max_len`); for a rescored kind, whose model
     and params are (student's, rescorer's), also the rescorer's encoder
     (`refinement.Rescoring`)."""
-    if method.stage == "teacher":
+    if method.stage in config_lib.AR_STAGES:
         return model.encode(params, source)
     if method.rescorer:
         (model, rescorer), (params, rescorer_params) = model, params
@@ -278,7 +283,8 @@ def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
 
 # Each search: (model, method, params, encoded, rng, vocab_ids, *, width) ->
 # {"tokens": int32[B, T], "scores": float32[B] or None (no score), "passes": int32[B] or None
-# (AR: one pass per hypothesis token, counted on the host)}. `encoded` is what
+# (AR: one pass per hypothesis token, counted on the host)}; draft_verify adds "rounds" and
+# "accepted" (drafted tokens accepted), int32[B]. `encoded` is what
 # `_encode_batch` returned; `vocab_ids` the batch's shortlist or None.
 
 
@@ -308,6 +314,16 @@ def _refine_rescored(model, method, params, encoded, rng, vocab_ids, *, width):
         rng=rng if method.init == "random" else None, vocab_ids=vocab_ids))
 
 
+def _draft_verify(model, method, params, encoded, rng, vocab_ids, *, width):
+    (model, verifier), (params, verifier_params) = model, params
+    result = draft_verify.draft_verify(
+        model, params, verifier, verifier_params, encoded, width=width,
+        draft_passes=method.iterations, top_k=method.tolerance_top_k,
+        margin=method.tolerance_margin, vocab_ids=vocab_ids)
+    return {"tokens": result.tokens, "scores": None, "passes": result.passes,
+            "rounds": result.rounds, "accepted": result.accepted}
+
+
 def _mask_predict(model, method, params, encoded, rng, vocab_ids, *, width):
     return _result(refinement.mask_predict(model, params, encoded, width=width,
                                          iterations=method.iterations, vocab_ids=vocab_ids))
@@ -331,6 +347,7 @@ SEARCHES: dict[str, Callable[..., dict[str, Optional[jax.Array]]]] = {
     "padir_rescored": _refine_rescored,
     "mask_predict": _mask_predict,
     "adaptive": _adaptive,
+    "draft_verify": _draft_verify,
 }
 
 
@@ -347,11 +364,14 @@ class Translator:
       rescorer: the model that picks among the candidates of a rescored kind
         (`DecodeMethod.rescorer`: the teacher); default the one `loaded` was trained from
         (`upstream`: the teacher that distilled its data). None for the other kinds.
+      ctranslate2_threads: the CTranslate2 kinds' threads (model/ctranslate2_search.py
+        `Search`); None for the other kinds.
     """
 
     def __init__(self, loaded: LoadedModel, method: DecodeMethod, *, batch_size: int,
                  boundaries: Optional[Sequence[int]] = None, seed: int = 0,
-                 rescorer: Optional[LoadedModel] = None):
+                 rescorer: Optional[LoadedModel] = None,
+                 ctranslate2_threads: Optional[ctranslate2_search.Threads] = None):
         if method.stage != loaded.stage:
             raise config_lib.ConfigError(
                 f"method {method.name!r} ({method.kind}) decodes with a {method.stage!r} "
@@ -376,8 +396,10 @@ class Translator:
                              f"max_source_len/max_target_len")
         self._rng = jax.random.key(seed)
         self._shortlist = shortlist_table(loaded) if method.shortlist else None
-        self._ctranslate2 = (ctranslate2_search.Search(loaded, method)
-                             if method.kind in ctranslate2_search.KINDS else None)
+        self._ctranslate2 = (
+            ctranslate2_search.Search(loaded, method, threads=ctranslate2_threads,
+                                      vocabulary_map=self._shortlist)
+            if method.kind in ctranslate2_search.KINDS else None)
         self._warm: set[tuple[int, int, int, int]] = set()  # (S, cap, width, columns) compiled
         trace_key = (loaded.uri, method.name, batch_size)
 
@@ -426,6 +448,7 @@ class Translator:
         for i, row in enumerate(rows):
             tokens = _hypothesis_ids(output["tokens"][i])
             scores, passes = output["scores"], output["passes"]
+            rounds, accepted = output.get("rounds"), output.get("accepted")
             translations.append(Translation(
                 hypothesis=self.loaded.tokenizer.decode(tokens),
                 tokens=tokens,
@@ -439,6 +462,8 @@ class Translator:
                 search_seconds=search_seconds,
                 width=decoded_width,
                 batch_size=len(rows),
+                rounds=None if rounds is None else int(rounds[i]),
+                accepted=None if accepted is None else int(accepted[i]),
             ))
         return translations
 
@@ -453,8 +478,8 @@ class Translator:
         encoded = jax.block_until_ready(
             self._jit_encode(self._params, source, max_len=max_len))
         encoded_at = time.perf_counter()
-        if self.method.stage == "teacher":
-            width = max_len
+        if self.method.stage in config_lib.AR_STAGES or self.method.kind == "draft_verify":
+            width = max_len  # AR outputs, and drafts that grow, may reach the cap
         else:
             width = refinement.output_width(encoded.lengths, max_len)
         vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)

@@ -3,22 +3,28 @@
 Contract:
   reads   the `prepare` artifact's test splits (`config.data.test` by name, or the carved
           `test`): `{split}-SSSSS-of-NNNNN.jsonl` of `{"id", "source", "target"}`; the
-          `teacher` artifact (AR methods) and the `student` artifact (NAR methods), only
-          those the configured methods need; each names its vocabulary.
+          AR model each AR method names (`model`: the `teacher` or `ar_student` artifact)
+          and the `student` artifact (NAR methods), only those the configured methods
+          need (`decode.models`); each names its vocabulary.
   writes  `<workdir>/decode/<key>/`:
             hypotheses/{test_set}/{method}.jsonl   the batched pass, at
                 `decode.throughput_batch_size`: one line per sentence, in id order,
                 `{"id", "hypothesis", "latency_s", "passes", "source_tokens", "score",
-                "hypothesis_tokens", "truncated"}` (`latency_s` is the batch's decode time
-                divided by its sentences); these are the hypotheses that are scored;
+                "hypothesis_tokens", "truncated"}`, and for draft_verify `"rounds"` and
+                `"accepted"` (drafted tokens the teacher accepted) (`latency_s` is the
+                batch's decode time divided by its sentences); these are the hypotheses
+                that are scored;
             latency/{test_set}/{method}.jsonl   the same for the first
                 `decode.latency_sentences` sentences (by id; all if null), decoded again at
                 `decode.latency_batch_size` (1): per-sentence latency;
             manifest.json   counts `read.{test_set}`, `decoded.{test_set}.{method}.{pass}`
                 (pass `batched` or `latency`), `truncated.{test_set}`; metrics `test_sets`,
                 `methods` (in config order: name, kind, stage), `latency_sentences` (per
-                test set) and `throughput` (per test set and method: batch size, sentences,
-                hypothesis tokens, seconds, sentences/s, tokens/s).
+                test set), `throughput` (per test set and method: batch size, sentences,
+                hypothesis tokens, seconds, sentences/s, tokens/s) and `ctranslate2_sweep`
+                (per CTranslate2 method, in config order: its name, the test set sampled
+                and its model/ctranslate2_sweep.py `sweep`: every thread setting timed per
+                pass and the one chosen).
   With `decode.max_sentences` set, only the first N sentences of each test set (by id).
 
 The batched pass decodes batches of similar lengths and one decoder shape
@@ -28,6 +34,13 @@ model/translator.py), not Beam's overhead; tokens/s counts hypothesis tokens, EO
 Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
 counted), never dropped. Each method x test set x pass is one RunInference; the
 checkpoints are restored once per worker process (pipelines/model_handler.py).
+
+The CTranslate2 methods translate in a process of their own, which never imports JAX, so
+that no other runtime's threads share CTranslate2's cores, and are timed there
+(model/ctranslate2_search.py). Before any decode, each one's threads are chosen per pass
+by a sweep: every setting of a small grid decodes the first sentences of the first test
+set, and the fastest per regime decodes that pass (batch 1: the lowest median latency;
+batched: the most sentences/s; model/ctranslate2_sweep.py).
 
 Run it alone, locally (the in-process FnApiRunner, which runs one decode at a time, as the
 timings need):
@@ -91,6 +104,8 @@ def to_record(pair: dict, result: PredictionResult) -> dict:
         "score": inference["score"],
         "hypothesis_tokens": len(inference["tokens"]),
         "truncated": inference["truncated"],
+        **{key: inference[key] for key in ("rounds", "accepted")
+           if inference[key] is not None},  # draft_verify's cost
     }
 
 
@@ -183,7 +198,7 @@ def _count_truncated(record: dict, counter_name: str) -> dict:
 
 def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: str,
           checkpoints: Mapping[str, str], tokenizer: tokenizer_lib.Tokenizer,
-          output_uri: str) -> None:
+          output_uri: str, ctranslate2_threads: Mapping[tuple[str, str], Any]) -> None:
     """Adds, per test set, its reading and one `DecodeAndWrite` per method and pass.
 
     The batched pass decodes length-sorted batches of one decoder shape each
@@ -191,9 +206,12 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
     decodes the latency sample one RunInference batch of `latency_batch_size` at a time.
 
     Args:
-      checkpoints: stage ("teacher", "student") -> artifact URI, for the stages the methods use.
-      tokenizer: the models' (teacher and student share the vocab artifact), for the
+      checkpoints: training stage -> artifact URI, for the stages the methods use.
+      tokenizer: the models' (every training stage reads the vocab artifact), for the
         batches' lengths.
+      ctranslate2_threads: (method name, pass: "batched" or "latency") -> the threads its
+        sweep chose (`sweep_ctranslate2`: {"intra_threads", "inter_threads"}); a
+        CTranslate2 method without one gets `ctranslate2_search.Search`'s default.
     """
     settings = config.decode
     boundaries = config.encode.bucket_boundaries
@@ -213,7 +231,8 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
                 handler = TranslationModelHandler(
                     checkpoints[method.stage], method, batch_size=batch_size,
                     boundaries=boundaries, seed=config.seed,
-                    rescorer_uri=checkpoints.get(method.rescorer))
+                    rescorer_uri=checkpoints.get(method.rescorer),
+                    ctranslate2_threads=ctranslate2_threads.get((method.name, name)))
                 first = folder == HYPOTHESES and method is settings.methods[0]
                 _ = examples | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
                     handler, output_path(output_uri, folder, split, method.name),
@@ -241,10 +260,31 @@ def latency_sentences(read: int, config: config_lib.Config) -> int:
     return read if limit is None else min(read, limit)
 
 
-def finish(config: config_lib.Config, out: artifacts.PendingArtifact,
-           finished: job.Finished) -> None:
+def sweep_ctranslate2(config: config_lib.Config, prepared_uri: str,
+                      checkpoints: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Each CTranslate2 method's sweep (model/ctranslate2_sweep.py): its threads per pass,
+    timed on the first sentences by id of the first test set, in this process (on
+    Dataflow, where the job is launched: launch it from a machine of the workers' type).
+    Method name -> its record, with the test set."""
+    from model import ctranslate2_sweep  # JAX: in the job's process, as the handlers load it
+
+    split = decoded_splits(config.data)[0]
+    sample = min(ctranslate2_sweep.SAMPLE_SENTENCES,
+                 config.decode.max_sentences or ctranslate2_sweep.SAMPLE_SENTENCES)
+    sources = [pair["source"] for pair in corpus.read_split(prepared_uri, split)][:sample]
+    records = ctranslate2_sweep.sweep_methods(
+        config.decode.methods, checkpoints, sources,
+        batch_sizes={ctranslate2_sweep.LATENCY: config.decode.latency_batch_size,
+                     ctranslate2_sweep.BATCHED: config.decode.throughput_batch_size},
+        boundaries=config.encode.bucket_boundaries)
+    return {name: {"test_set": split, **record} for name, record in records.items()}
+
+
+def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
+           out: artifacts.PendingArtifact, finished: job.Finished) -> None:
     """Every sentence read is decoded by every method in the batched pass, and the latency
-    sample in the latency pass; the manifest gets the counts and the throughput."""
+    sample in the latency pass; the manifest gets the counts, the throughput and the
+    CTranslate2 methods' sweeps."""
     counts = finished.counts
     balances = {}
     for split in decoded_splits(config.data):
@@ -268,7 +308,9 @@ def finish(config: config_lib.Config, out: artifacts.PendingArtifact,
                 list(corpus.read_jsonl(output_path(out.tmp_uri, HYPOTHESES, split, method.name))),
                 config.decode.throughput_batch_size)
                 for method in config.decode.methods}
-            for split in decoded_splits(config.data)})
+            for split in decoded_splits(config.data)},
+        ctranslate2_sweep=[{"method": name, **record}  # a list: config order
+                           for name, record in sweeps.items()])
 
 
 def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
@@ -276,19 +318,26 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     prepared = dag.require_input(config, "prepare")
     for split in decoded_splits(config.data):  # structural errors before any work starts
         corpus.split_files(prepared.uri, split)
-    needed = sorted({stage for method in config.decode.methods
-                     for stage in (method.stage, method.rescorer) if stage})
+    needed = config.decode.models
     checkpoints = {stage: dag.require_input(config, stage) for stage in needed}
-    # The models' vocabulary (teacher and student share the vocab artifact).
+    # The models' vocabulary (every training stage reads the vocab artifact).
     tokenizer = tokenizer_lib.Tokenizer.for_artifact(checkpoints[needed[0]])
+    uris = {stage: artifact.uri for stage, artifact in checkpoints.items()}
+    sweeps: dict[str, dict[str, Any]] = {}
+
+    def build_job(pipeline: beam.Pipeline, output_uri: str) -> None:
+        # Under the stage's lease and before any decode, so that nothing else runs beside it.
+        sweeps.update(sweep_ctranslate2(config, prepared.uri, uris))
+        build(pipeline, config, prepared_uri=prepared.uri, checkpoints=uris,
+              tokenizer=tokenizer, output_uri=output_uri,
+              ctranslate2_threads={(name, regime): record[regime]["chosen"]
+                                   for name, record in sweeps.items()
+                                   for regime in ("batched", "latency")})
+
     return job.run(
         config, "decode", beam_args, inputs={"prepare": prepared, **checkpoints},
-        build=lambda pipeline, output_uri: build(
-            pipeline, config, prepared_uri=prepared.uri,
-            checkpoints={stage: artifact.uri for stage, artifact in checkpoints.items()},
-            tokenizer=tokenizer, output_uri=output_uri),
-        namespace=NAMESPACE, counter_names=counter_names(config),
-        finish=functools.partial(finish, config))
+        build=build_job, namespace=NAMESPACE, counter_names=counter_names(config),
+        finish=functools.partial(finish, config, sweeps))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""A RunInference model handler for our JAX translation models (teacher or PaDIR student).
+"""A RunInference model handler for our JAX translation models (an AR model or the PaDIR
+student).
 
     handler = TranslationModelHandler(artifact_uri, DecodeMethod("ar_beam4", "ar_beam"),
                                       batch_size=64, boundaries=(16, 32, 64), seed=0)
@@ -54,7 +55,8 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
     """Source text -> PredictionResult(example=source, inference=translation record).
 
     Args:
-      artifact_uri: a published `teacher` (AR kinds) or `student` (NAR kinds) artifact.
+      artifact_uri: a published artifact of the method's stage (`DecodeMethod.stage`: the
+        `teacher` or `ar_student` for the AR kinds, the `student` for the NAR kinds).
       method: the decoding method.
       batch_size: sentences per decoder call (and per RunInference batch).
       boundaries: the length buckets; default: those of the artifact's config.
@@ -63,12 +65,15 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         progress log (None: rate only).
       rescorer_uri: a published artifact of the method's rescorer stage (`teacher`), for a
         rescored kind; restored once per process like the model.
+      ctranslate2_threads: a CTranslate2 kind's threads, {"intra_threads",
+        "inter_threads"} (model/ctranslate2_search.py `Threads`; None: its default).
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
                  boundaries: Optional[Sequence[int]] = None, seed: int = 0,
                  expected_sentences: Optional[int] = None,
-                 rescorer_uri: Optional[str] = None):
+                 rescorer_uri: Optional[str] = None,
+                 ctranslate2_threads: Optional[Mapping[str, int]] = None):
         super().__init__(min_batch_size=batch_size, max_batch_size=batch_size)
         self._artifact_uri = artifact_uri
         self._method = method
@@ -77,13 +82,14 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         self._seed = seed
         self._expected = expected_sentences
         self._rescorer_uri = rescorer_uri
+        self._ctranslate2_threads = ctranslate2_threads
         self._translated = 0
         self._started: Optional[float] = None
         self._logged = 0.0
 
     def load_model(self):
         """The checkpoint (restored once per process) and the method's jitted decoder."""
-        from model import translator  # JAX starts here, in the worker
+        from model import ctranslate2_search, translator  # JAX starts here, in the worker
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
         rescorer = (translator.load_cached(self._rescorer_uri) if self._rescorer_uri
@@ -91,7 +97,9 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         return translator.Translator(
             translator.load_cached(self._artifact_uri), self._method,
             batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed,
-            rescorer=rescorer)
+            rescorer=rescorer,
+            ctranslate2_threads=(ctranslate2_search.Threads(**self._ctranslate2_threads)
+                                 if self._ctranslate2_threads else None))
 
     def run_inference(self, batch: Sequence[str], model: Any,
                       inference_args: Optional[dict[str, Any]] = None

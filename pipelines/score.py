@@ -5,8 +5,8 @@ Contract:
           that is scored; `latency/{test_set}/{method}.jsonl`, the batch-1 pass over the
           latency sample; the throughput figures in its manifest) and the `prepare`
           artifact's test splits (the references: the prepared target of each id, i.e. the
-          raw line normalised as every split is), and the manifests of the teacher and
-          student the decode artifact names as its inputs.
+          raw line normalised as every split is), and the manifests of the training
+          artifacts (teacher, student, AR student) the decode artifact names as its inputs.
   writes  `<workdir>/score/<key>/`:
             report.json   the models' training (steps, and `stop_reason` when the time
                           budget cut a run short: loud in report.md too); per test set and
@@ -16,6 +16,7 @@ Contract:
                           signatures), stutter, latency at batch 1 (mean, median, p90, p99
                           seconds, over the latency sample), batched throughput, mean
                           decoder passes, speedups over the AR greedy and beam baselines;
+                          the CTranslate2 methods' thread sweeps (the decode manifest's);
             report.md     the same as tables, with the plots;
             plots/{test_set}/{bleu_vs_latency,stutter,latency_vs_length}.png
             plots/student_dev_bleu.png  the student's dev BLEU at each evaluation (its
@@ -82,13 +83,15 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
             latency_records[test_set][method] = timed
             results[test_set].append(report.score_method(
                 method, about["kind"], lines, targets, facts["throughput"][test_set][method],
-                timed, setting=settings.get(method, ""), target_lang=config.data.target_lang))
+                timed, setting=settings.get(method, ""), target_lang=config.data.target_lang,
+                stage=about["stage"]))
             log.info("score %s/%s: BLEU %.2f", test_set, method, results[test_set][-1].bleu.score)
     models = {stage: uri for stage, uri in decoded.manifest["inputs"].items()
-              if stage in ("teacher", "student")}
+              if stage in config_lib.TRAINING_STAGES}
     training = {stage: artifacts.read(uri).manifest for stage, uri in models.items()}
     curves = {"student": report.dev_curve(models["student"])} if "student" in models else {}
-    content = report.build_report(results, report.training_summary(training, curves))
+    content = report.build_report(results, report.training_summary(training, curves),
+                                  facts["ctranslate2_sweep"])
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),
                          config=dag.section_values(config, "score"),
                          config_yaml=config_lib.dump(config),

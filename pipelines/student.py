@@ -14,10 +14,10 @@ Training, resuming and publishing work as pipelines/training.py says.
 
 from __future__ import annotations
 
-from components import artifacts, dag
+from components import artifacts
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import train, translator, warm_start
+from model import train
 from pipelines import training
 
 
@@ -29,19 +29,7 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
         return train.train_student(
             training.student_model(config, tokenizer), data, config.student, config.mesh,
             checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
-            log_dir=pending.path("tensorboard"), warm_start=_teacher_warm_start(config))
+            log_dir=pending.path("tensorboard"),
+            warm_start=training.teacher_warm_start(config, "student"))
 
     return training.publish(config, "student", train_fn)
-
-
-def _teacher_warm_start(config: config_lib.Config):
-    """With `student.init_from_teacher`: fresh student parameters -> the teacher's where
-    they fit (model/warm_start.py); else None."""
-    if not config.student.init_from_teacher:
-        return None
-    teacher_uri = dag.require_input(config, "teacher").uri
-
-    def start(params):
-        return warm_start.from_teacher(params, translator.load(teacher_uri).params)[0]
-
-    return start

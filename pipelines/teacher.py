@@ -51,8 +51,10 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
 
 
 def final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
-                    data: train.TrainData, result: train.TrainResult) -> dict[str, Any]:
-    """SacreBLEU of the best checkpoint on the dev set, greedy and with beam search.
+                    data: train.TrainData, result: train.TrainResult, *,
+                    stage: str = "teacher") -> dict[str, Any]:
+    """SacreBLEU of the best checkpoint of an AR model (`stage`, which the log names) on
+    the dev set, greedy and with beam search.
 
     Every process decodes its slice of the dev rows with the whole parameters on its own
     device; the slices are gathered, so every process scores the whole dev set. Greedy
@@ -80,11 +82,11 @@ def final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
         tok_lc = metrics.tokenized_lowercased_bleu(hypotheses, data.references)
         scores[name] = {"bleu": round(bleu.score, 2), "signature": bleu.signature,
                         "bleu_tok_lc": round(tok_lc.score, 2)}
-        log.info("teacher dev %s: BLEU %.2f (tokenised lowercased %.2f)", name, bleu.score,
+        log.info("%s dev %s: BLEU %.2f (tokenised lowercased %.2f)", stage, name, bleu.score,
                  tok_lc.score)
     if reuse_greedy:  # scored by the same sacreBLEU configuration as the beam search
         beam = scores[f"beam{DEV_BEAM_SIZE}"]
         scores = {"greedy": {"bleu": round(last["bleu"], 2), "signature": beam["signature"],
                              "bleu_tok_lc": round(last["bleu_tok_lc"], 2)}, **scores}
-        log.info("teacher dev greedy: BLEU %.2f (step %d's evaluation)", last["bleu"], step)
+        log.info("%s dev greedy: BLEU %.2f (step %d's evaluation)", stage, last["bleu"], step)
     return scores

@@ -1,6 +1,8 @@
-"""What the two training stages share: `teacher` (pipelines/teacher.py, the AR model) and
-`student` (pipelines/student.py, the PaDIR student) read their data, build their model and
-publish their checkpoints the same way, over model/train.py's loop.
+"""What the training stages share: `teacher` (pipelines/teacher.py, the AR model),
+`student` (pipelines/student.py, the PaDIR student) and `ar_student`
+(pipelines/ar_student.py, the AR baseline with a one-layer decoder) read their data, build
+their model, start from the teacher and publish their checkpoints the same way, over
+model/train.py's loop.
 
 Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`) under the
 key's lease, so a run that is killed, preempted (SIGTERM) or crashes resumes exactly from its
@@ -26,7 +28,7 @@ import jax
 from components import artifacts, corpus, dag
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import input_pipeline, sharding, train
+from model import input_pipeline, sharding, train, translator, warm_start
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,9 @@ def load_tokenizer(config: config_lib.Config) -> Tokenizer:
 
 def training_data(config: config_lib.Config, stage: str,
                   tokenizer: Tokenizer) -> train.TrainData:
-    """The data of training stage `stage` ("teacher" or "student"): bucketed batches of about
-    `loop.tokens_per_batch` tokens of its encode artifact, split across processes.
+    """The data of training stage `stage` ("teacher", "student" or "ar_student"): bucketed
+    batches of about `loop.tokens_per_batch` tokens of its encode artifact (the students':
+    `dag.student_data`), split across processes.
     Reads the JAX backend: `jax.distributed.initialize` must have run."""
     loop = config.section(stage).loop
     encoded = dag.require_input(config, "encode" if stage == "teacher"
@@ -77,6 +80,24 @@ def teacher_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
 def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel:
     return PaDIRModel(config.student.model, tokenizer.vocab_size, tokenizer.first_real_id,
                       label_smoothing=config.student.label_smoothing)
+
+
+def ar_student_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
+    return ARModel(config.ar_student.model, tokenizer.vocab_size,
+                   label_smoothing=config.ar_student.label_smoothing)
+
+
+def teacher_warm_start(config: config_lib.Config, stage: str):
+    """With `<stage>.init_from_teacher` (a student): fresh parameters -> the teacher's where
+    they fit (model/warm_start.py); else None."""
+    if not config.section(stage).init_from_teacher:
+        return None
+    teacher_uri = dag.require_input(config, "teacher").uri
+
+    def start(params):
+        return warm_start.from_teacher(params, translator.load(teacher_uri).params)[0]
+
+    return start
 
 
 # Errors that one process meets and all report as theirs (a user error is one everywhere).

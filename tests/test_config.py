@@ -152,7 +152,7 @@ def test_the_shipped_configs_load(monkeypatch):
     assert benchmark.decode.latency_sentences == 200 and benchmark.distill.enabled
     tpu = config_lib.load("configs/overlays/tpu.yaml")
     assert tpu.mesh.distributed and tpu.mesh.fsdp == 4 and tpu.workdir.startswith("gs://")
-    for section in (tpu.teacher, tpu.student):  # the paper's 67M model, no time budget
+    for section in (tpu.teacher, tpu.student, tpu.ar_student):  # the paper's shape, no budget
         assert (section.model.d_model, section.model.num_encoder_layers) == (512, 6)
         assert section.loop.max_minutes is None
     assert tpu.data == benchmark.data and tpu.vocab == benchmark.vocab
@@ -301,3 +301,37 @@ def test_the_dataflow_overlay_carries_the_runinference_flags(monkeypatch):
     options = config_lib.load("configs/overlays/dataflow.yaml").runner.options
     assert {"--experiments=no_use_multiple_sdk_containers",
             "--number_of_worker_harness_threads=1", "--sdk_location=container"} <= set(options)
+
+
+def test_the_ar_student_section_is_the_teachers_with_one_decoder_layer(tmp_path):
+    config = _load(tmp_path, overrides=["ar_student.steps=7", "ar_student.init_from_teacher=true",
+                                        "ar_student.model.num_encoder_layers=6"])
+    assert (config.ar_student.steps, config.ar_student.init_from_teacher) == (7, True)
+    model = config.ar_student.model
+    assert (model.num_encoder_layers, model.num_decoder_layers) == (6, 1)
+    assert config_lib.ARStudentConfig().model == config_lib.ModelConfig(num_decoder_layers=1)
+    for override, message in (
+            ("ar_student.steps=0", "ar_student: steps must be >= 1"),
+            ("ar_student.label_smoothing=1.0", "ar_student: .* label_smoothing in"),
+            ("ar_student.init_from_teacher=1", "ar_student.init_from_teacher: expected true"),
+            ("ar_student.phase1_steps=5", "unknown config key 'ar_student.phase1_steps'"),
+            ("ar_student.model.max_target_len=32", "ar_student.model.max_source_len and "
+                                                   "max_target_len must be >= the widest")):
+        with pytest.raises(ConfigError, match=message):
+            _load(tmp_path, overrides=[override])
+
+
+def test_the_ar_kinds_decode_the_ar_model_they_name():
+    for kind in ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam"):
+        assert config_lib.DecodeMethod("m", kind).stage == "teacher"
+        assert config_lib.DecodeMethod("m", kind, model="ar_student").stage == "ar_student"
+    with pytest.raises(ConfigError, match="'model' does not apply to kind padir"):
+        config_lib.DecodeMethod("p", "padir", model="ar_student")
+    with pytest.raises(ConfigError, match=r"model must be one of \['teacher', 'ar_student'\]"):
+        config_lib.DecodeMethod("g", "ar_greedy", model="student")
+    with pytest.raises(ConfigError, match=r"decode.methods\[0\].model: expected one of"):
+        config_lib.from_dict(config_lib.Config, {**BASE, "decode": {"methods": [
+            {"name": "g", "kind": "ar_greedy", "model": "student"}]}})
+    methods = (config_lib.DecodeMethod("g", "ar_greedy", model="ar_student"),
+               config_lib.DecodeMethod("r", "padir_rescored"))
+    assert config_lib.DecodeConfig(methods=methods).models == ("ar_student", "student", "teacher")

@@ -1,7 +1,13 @@
 """components/corpus.py: reading, normalisation, validation, carving, the artifact readers."""
 
 import gzip
+import http.client
+import http.server
 import json
+import os
+import subprocess
+import sys
+import threading
 import zipfile
 
 import fsspec
@@ -395,3 +401,61 @@ def test_in_sample_is_a_deterministic_hash_sample_of_the_given_fraction():
     assert abs(len(sample) / len(ids) - 0.25) < 0.01
     # A smaller fraction is a subset of a larger one: slices of one corpus are nested.
     assert set(i for i in ids if corpus.in_sample(i, 0.1)) <= set(sample)
+
+
+# --- an http(s) corpus that the server refuses: one line, no secret ------------------------
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """`/<head>/<status>/...`: a HEAD answered 200 (`headok`, as an expired signed URL still
+    answers it) or `status`, then every GET answered `status`."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_HEAD(self):
+        head, status = self.path.split("/")[1:3]
+        self.send_response(200 if head == "headok" else int(status))
+        self.send_header("Content-Length", "100")
+        self.end_headers()
+
+    def do_GET(self):
+        self.send_response(int(self.path.split("/")[2]))
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"nope\n")
+
+
+def test_a_refused_corpus_url_is_one_line_without_its_secrets(tmp_path):
+    """`padir stage prepare` on a corpus URL with a password and a `${TOKEN}` query whose
+    GET is refused (401, 403, 404, 500), after a HEAD that succeeded or failed: exit status
+    2, one line naming the file and the answer, the URL's secrets redacted, no traceback."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, PADIR_TEST_TOKEN="s3cr3t-t0ken")
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    runs = {}
+    try:
+        for head in ("headok", "headfail"):
+            for status in (401, 403, 404, 500):
+                url = f"{base}/{head}/{status}/train"
+                config = tmp_path / f"{head}-{status}.yaml"
+                config.write_text(
+                    f"workdir: {tmp_path / 'work'}\n"
+                    "data: {source_lang: en, target_lang: de, train: {source: "
+                    f"'http://user:hunter2@{url[7:]}.en?token=${{PADIR_TEST_TOKEN}}', "
+                    f"target: '{url}.de'}}}}\n")
+                runs[head, status] = subprocess.Popen(
+                    [sys.executable, "-m", "flows.cli", "stage", "prepare", str(config)],
+                    cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    text=True)
+        ended = {case: run.communicate(timeout=300) for case, run in runs.items()}
+    finally:
+        server.shutdown()
+    for (head, status), (out, err) in ended.items():
+        cause = "no such file" if status == 404 else \
+            f"HTTP {status} {http.client.responses[status]}"
+        assert (runs[head, status].returncode, out, err) == (2, "", (
+            f"padir: error: data.train.source: cannot read http://***@{base[7:]}/{head}/"
+            f"{status}/train.en?token=***: {cause}\n")), (head, status)

@@ -2,6 +2,7 @@
 search does (model/beam_search.py), through the Translator (model/ctranslate2_search.py),
 and `padir export` writes it."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 
 import tiny_models
 from components.config import DecodeMethod
-from components.tokenizer import RESERVED_PIECES
+from components.tokenizer import EOS_ID, RESERVED_PIECES
 from model import ctranslate2_export
 from model.beam_search import length_penalty
 from model.models import ARModel
@@ -106,6 +107,17 @@ def test_export_refuses_a_vocabulary_without_our_reserved_pieces(tmp_path):
         ctranslate2_export.export(CONFIG, params, PIECES[:-1] + ["p6"], str(tmp_path / "m"))
 
 
+def test_the_ar_students_shape_exports_and_decodes_as_ours(tmp_path):
+    """A deeper encoder than decoder (2 + 1 layers), as the AR student has."""
+    config = dataclasses.replace(CONFIG, num_encoder_layers=2, num_decoder_layers=1)
+    model = ARModel(config, VOCAB, label_smoothing=0.0)
+    params = tiny_models.train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
+    directory = ctranslate2_export.export(config, params, PIECES, str(tmp_path / "model"))
+    sources = _sources()
+    ours = jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)})
+    assert _ct2(directory, sources, beam_size=1) == _rows(ours)
+
+
 # --- through the Translator and `padir export`, on a published (untrained) teacher -----------
 
 
@@ -150,3 +162,130 @@ def test_padir_export_writes_a_model_ctranslate2_loads(published, tmp_path, caps
         assert json.load(f)["layer_norm_epsilon"] == ctranslate2_export.RMS_NORM_EPSILON
     ctranslate2.Translator(str(out), device="cpu").translate_batch([["▁Ein", "</s>"]],
                                                                    max_decoding_length=4)
+
+
+# --- the worker process, the thread sweep and the vocabulary map ------------------------------
+
+
+def _options(**options) -> dict:
+    return dict(max_decoding_length=MAX_LEN, min_decoding_length=0, return_end_token=True,
+                suppress_sequences=[[PIECES[i]] for i in NON_TARGET_IDS], **options)
+
+
+def test_the_worker_translates_as_ctranslate2_in_process_does_and_times_the_call():
+    from model.ctranslate2_search import Threads, Worker
+
+    _, _, directory = teacher()
+    sources = _sources()
+    rows = [[PIECES[i] for i in row if i] for row in sources]
+    worker = Worker(directory, device="cpu", compute_type="float32", threads=Threads(1, 2))
+    try:
+        for beam in (1, 4):  # two sub-batches of 8, one per translator (inter_threads 2)
+            hypotheses, scores, seconds = worker.translate(
+                rows, _options(beam_size=beam, return_scores=beam > 1, max_batch_size=8))
+            assert [[PIECES.index(p) for p in h] for h in hypotheses] == \
+                _ct2(directory, sources, beam_size=beam)
+            assert seconds > 0 and all((s is not None) == (beam > 1) for s in scores)
+    finally:
+        worker.close()
+
+
+def test_a_worker_failure_is_an_error_in_the_parent(tmp_path):
+    from model.ctranslate2_search import Threads, Worker, WorkerError
+
+    with pytest.raises(WorkerError, match="(?s)missing.*failed:.*Traceback"):
+        Worker(str(tmp_path / "missing"), device="cpu", compute_type="float32",
+               threads=Threads(1))
+    worker = Worker(teacher()[2], device="cpu", compute_type="float32", threads=Threads(1))
+    with pytest.raises(WorkerError, match="no_such_option"):
+        worker.translate([["p6", "</s>"]], {"no_such_option": 1})
+    assert worker.translate([["p6", "</s>"]], _options())[0]  # it still answers
+    worker._process.kill()
+    with pytest.raises(WorkerError, match="exited"):
+        worker.translate([["p6", "</s>"]], _options())
+    worker.close()
+
+
+def test_the_worker_process_imports_ctranslate2_and_no_other_runtime():
+    import subprocess
+    import sys
+
+    script = ("import sys, ctranslate2, model.ctranslate2_worker; "
+              "print(sorted({m.split('.')[0] for m in sys.modules} & "
+              "{'jax', 'jaxlib', 'flax', 'tensorflow', 'torch', 'components'}))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_thread_grids_stay_within_the_cpus():
+    from model.ctranslate2_search import Threads
+    from model.ctranslate2_sweep import grid, thread_counts
+
+    assert [thread_counts(n) for n in (1, 2, 6, 16)] == [[1], [1, 2], [1, 2, 4, 6],
+                                                          [1, 2, 4, 8, 16]]
+    assert grid("latency", 2) == [Threads(1), Threads(2)]
+    assert grid("batched", 2) == [Threads(1, 1), Threads(1, 2), Threads(2, 1)]
+    assert len(grid("batched", 16)) == 15
+    assert all(t.intra_threads * t.inter_threads <= 6 for t in grid("batched", 6))
+
+
+def test_the_sweep_times_every_setting_and_records_the_fastest(published):
+    from model import ctranslate2_sweep, translator
+
+    loaded = translator.load(published.uri)
+    record = ctranslate2_sweep.sweep(
+        loaded, DecodeMethod("c", "ct2_greedy"), SENTENCES,
+        batch_sizes={"latency": 1, "batched": 2}, boundaries=loaded.boundaries, cpus=2)
+    json.dumps(record)  # it goes into the decode manifest
+    assert {k: record[k] for k in ("cpus", "sentences", "repeats")} == {
+        "cpus": 2, "sentences": 3, "repeats": ctranslate2_sweep.REPEATS}
+    for regime, best, batch_size in (("latency", min, 1), ("batched", max, 2)):
+        about = record[regime]
+        figure = about["figure"]
+        assert about["batch_size"] == batch_size
+        assert [(s["intra_threads"], s["inter_threads"]) for s in about["settings"]] == [
+            (t.intra_threads, t.inter_threads) for t in ctranslate2_sweep.grid(regime, 2)]
+        assert all(s[figure] > 0 for s in about["settings"])
+        fastest = best(about["settings"], key=lambda s: s[figure])
+        assert about["chosen"] == {k: fastest[k] for k in ("intra_threads", "inter_threads")}
+        assert ctranslate2_sweep.chosen(record, regime).intra_threads == \
+            fastest["intra_threads"]
+
+
+def test_a_vocabulary_map_keeps_each_sentence_to_its_shortlist(tmp_path, monkeypatch):
+    from model import shortlist
+
+    _, params, _ = teacher()
+    table = shortlist.build(zip(np.asarray(BATCH["source"]), np.asarray(BATCH["target"])),
+                            VOCAB, frequent=4, per_source=2)
+    mapped = ctranslate2_export.export(CONFIG, params, PIECES, str(tmp_path / "m"),
+                                       vocabulary_map=table)
+    with open(os.path.join(mapped, ctranslate2_export.VMAP_FILE), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert lines[0] == "\t" + " ".join(PIECES[i] for i in np.flatnonzero(table.always))
+    assert len(lines) == 1 + VOCAB - len(RESERVED_PIECES)
+    sources = _sources()
+    monkeypatch.setattr(shortlist, "SIZE_STEP", 1)  # `select` without its padding
+    allowed = [set(shortlist.select(table, row[None]).tolist()) for row in sources]
+    free = _ct2(mapped, sources, beam_size=1, max_batch_size=1)
+    kept = _ct2(mapped, sources, beam_size=1, max_batch_size=1, use_vmap=True)
+    assert all(set(row) <= cands for row, cands in zip(kept, allowed))
+    assert any(not set(row) <= cands for row, cands in zip(free, allowed))  # it restricts
+
+
+def test_a_shortlist_ct2_translator_decodes_with_the_vocabulary_map(published, monkeypatch):
+    from model import shortlist, translator
+
+    loaded = translator.load(published.uri)
+    ids = [np.asarray(row + [EOS_ID]) for row in loaded.tokenizer.encode(SENTENCES)]
+    table = shortlist.build(zip(ids, ids), loaded.tokenizer.vocab_size, frequent=4,
+                            per_source=2)
+    monkeypatch.setitem(translator._SHORTLISTS, loaded.uri, table)  # no encode artifact
+    monkeypatch.setattr(shortlist, "SIZE_STEP", 1)  # `select` without its padding
+    ct2 = translator.Translator(loaded, DecodeMethod("c", "ct2_greedy", shortlist=True),
+                                batch_size=1)
+    assert os.path.exists(os.path.join(ct2._ctranslate2.model_dir,
+                                       ctranslate2_export.VMAP_FILE))
+    for source, translation in zip(ids, ct2.translate(SENTENCES)):
+        assert set(translation.tokens) <= set(shortlist.select(table, source[None]).tolist())

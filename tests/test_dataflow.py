@@ -19,6 +19,7 @@ construction never touches.
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -96,8 +97,8 @@ def _build_all(config, prepared: str, tokenizer: Tokenizer) -> dict[str, beam.Pi
     distill.build(jobs["distill"], config, prepared_uri=prepared, teacher_uri=out("teacher"),
                   tokenizer=tokenizer, num_shards=4, output_uri=out("distill"))
     decode.build(jobs["decode"], config, prepared_uri=prepared, output_uri=out("decode"),
-                 checkpoints={"teacher": out("teacher"), "student": out("student")},
-                 tokenizer=tokenizer)
+                 checkpoints={stage: out(stage) for stage in config.decode.models},
+                 tokenizer=tokenizer, ctranslate2_threads={})  # no sweep: the default
     return jobs
 
 
@@ -177,3 +178,24 @@ def test_the_worker_pins_are_the_launchers_environment():
     differ = {name: (version, installed.get(_canonical(name)))
               for name, version in pins.items() if installed.get(_canonical(name)) != version}
     assert not differ, f"regenerate constraints.txt (pinned, installed): {differ}"
+
+
+def test_the_worker_image_builds_its_wheel_from_the_files_it_copies(tmp_path):
+    """The Dockerfile's `pip install .` sees only what its COPY lines bring: a package that
+    pyproject.toml lists but the image leaves out fails the image's build."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "Dockerfile")) as f:
+        copies = [line.split()[1:-1] for line in f if line.startswith("COPY ")]
+    for sources in copies:
+        for source in sources:
+            source = source.rstrip("/")
+            if os.path.isdir(os.path.join(root, source)):
+                shutil.copytree(os.path.join(root, source), tmp_path / source,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(os.path.join(root, source), tmp_path / source)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+         "-w", str(tmp_path / "dist"), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(os.listdir(tmp_path / "dist")) == 1

@@ -42,6 +42,7 @@ METHODS = [  # every kind, each as cheap as it gets
      "length_offsets": [-1, 0, 1]},
     {"name": "mp_2", "kind": "mask_predict", "iterations": 2},
     {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
+    {"name": "draft_verify", "kind": "draft_verify", "iterations": 1},
     {"name": "ct2", "kind": "ct2_greedy"},
     {"name": "ct2_beam2", "kind": "ct2_beam", "beam_size": 2, "compute_type": "int8"},
 ]
@@ -188,6 +189,20 @@ def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
                               rescorer=teacher)
 
 
+def test_draft_and_verify_translates_as_the_teachers_greedy_search(config):
+    student = translator.load_cached(_uri(config, "student"))
+    teacher = translator.load_cached(_uri(config, "teacher"))
+    sentences = _sentences(config, 3, range(2, 9)) + _sentences(config, 1, range(17, 33))
+    verified = translator.Translator(
+        student, DecodeMethod("dv", "draft_verify", iterations=1), batch_size=2,
+        boundaries=BUCKETS, rescorer=teacher).translate(sentences)
+    greedy = translator.Translator(teacher, DecodeMethod("g", "ar_greedy"), batch_size=2,
+                                   boundaries=BUCKETS).translate(sentences)
+    assert [t.tokens for t in verified] == [t.tokens for t in greedy]
+    assert all(1 <= t.rounds <= len(t.tokens) and t.passes == 2 * t.rounds
+               and t.width == g.width for t, g in zip(verified, greedy))
+
+
 def test_a_students_teacher_is_found_through_its_inputs(tmp_path):
     """`padir translate` gives no teacher: the one the student's artifact was computed
     from rescores, the nearest first; a student computed from no teacher is a clear error."""
@@ -283,30 +298,92 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
             assert counts[f"decoded.test2016.{method['name']}.{name}"] == len(expected)
             assert all(r["latency_s"] > 0 and r["passes"] >= 1 and r["source_tokens"] >= 2
                        for r in records)
+            if method["kind"] == "draft_verify":  # its cost: rounds of 1 draft + 1 check
+                assert all(r["passes"] == 2 * r["rounds"] and 0 <= r["accepted"]
+                           and r["rounds"] <= r["hypothesis_tokens"] for r in records)
         speed = decoded.manifest["metrics"]["throughput"]["test2016"][method["name"]]
         assert speed["sentences"] == MAX_SENTENCES and speed["batch_size"] == 4
         assert speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
 
 
-def test_the_verdict_names_only_the_regimes_on_each_side():
-    def method(name, kind, bleu, median, p99, throughput):
-        return {"method": name, "kind": kind, "bleu": {"score": bleu},
-                "speedup": {"vs_greedy": {"median": median, "p99": p99,
-                                          "throughput": throughput}}}
+def test_decode_times_each_ctranslate2_method_at_the_threads_its_sweep_chose(config, decoded):
+    sweeps = decoded.manifest["metrics"]["ctranslate2_sweep"]
+    assert [s["method"] for s in sweeps] == [m["name"] for m in METHODS
+                                             if m["kind"].startswith("ct2_")]
+    for sweep in sweeps:
+        assert sweep["test_set"] == "test2016" and sweep["sentences"] == MAX_SENTENCES
+        for regime, batch_size in (("latency", 1), ("batched", 4)):
+            assert sweep[regime]["batch_size"] == batch_size
+            assert sweep[regime]["chosen"] in [
+                {k: s[k] for k in ("intra_threads", "inter_threads")}
+                for s in sweep[regime]["settings"]]
+    markdown = report.render_markdown(report.build_report({}, None, sweeps))
+    assert "## CTranslate2's threads" in markdown
+    chosen = [line for line in markdown.splitlines() if line.endswith("| chosen |")]
+    assert [line.split(" | ")[:2] for line in chosen] == [
+        ["| " + s["method"], regime] for s in sweeps for regime in ("latency", "batched")]
+
+
+def test_each_pass_of_a_ctranslate2_method_gets_its_regimes_threads(config, monkeypatch,
+                                                                    tmp_path):
+    made = []
+
+    def handler(uri, method, **kwargs):  # a function: Beam pickles the handler it returns
+        made.append((method.name, kwargs["batch_size"], kwargs["ctranslate2_threads"]))
+        return model_handler.TranslationModelHandler(uri, method, **kwargs)
+
+    monkeypatch.setattr(decode, "TranslationModelHandler", handler)
+    threads = {("ct2", "latency"): {"intra_threads": 1, "inter_threads": 1},
+               ("ct2", "batched"): {"intra_threads": 1, "inter_threads": 2}}
+    decode.build(beam.Pipeline(), config, prepared_uri=_uri(config, "prepare"),
+                 checkpoints={stage: _uri(config, stage) for stage in config.decode.models},
+                 tokenizer=translator.load_cached(_uri(config, "teacher")).tokenizer,
+                 output_uri=str(tmp_path), ctranslate2_threads=threads)
+    assert [m for m in made if m[0] == "ct2"] == [("ct2", 4, threads["ct2", "batched"]),
+                                                  ("ct2", 1, threads["ct2", "latency"])]
+    assert all(m[2] is None for m in made if m[0] != "ct2")
+
+
+def test_the_ctranslate2_alone_benchmark_times_the_stages_sample_beside_it(config, decoded):
+    from benchmarks import ctranslate2_alone
+
+    rows = ctranslate2_alone.compare(config, methods=["ct2"], rounds=1)  # no JAX alone
+    [row] = rows
+    assert row["sentences"] == LATENCY_SENTENCES and row["threads"].startswith("intra ")
+    assert all(row[f"{name}_median_ms"] > 0 for name in ("stage", "translator", "alone"))
+    assert "| ct2 | intra " in ctranslate2_alone.render(rows)
+
+
+def _row(name, kind, bleu, median_ms, p99_ms, sentences_per_s):
+    return {"method": name, "kind": kind, "bleu": {"score": bleu},
+            "latency_s": {"median": median_ms / 1e3, "p99": p99_ms / 1e3},
+            "throughput": {"sentences_per_s": sentences_per_s}}
+
+
+def test_the_verdict_compares_each_regime_with_its_fastest_ar_row():
     entry = {"baselines": {"ar_greedy": "greedy"}, "methods": [
-        method("greedy", "ar_greedy", 30.0, 1.0, 1.0, 1.0),
-        method("fast", "padir", 27.5, 2.0, 3.0, 1.5),
-        method("slow", "padir", 28.0, 0.5, 0.8, None),  # throughput not measured
-        method("mixed", "padir", 29.0, 1.2, 0.9, 0.7)]}
+        _row("greedy", "ar_greedy", 30.0, 4.0, 8.0, 300.0),
+        _row("ct2", "ct2_greedy", 30.0, 2.0, 10.0, 900.0),  # fastest but at p99
+        _row("padir_4", "padir", 27.0, 3.0, 4.0, 450.0),
+        _row("dv", "draft_verify", 30.0, 1.0, 2.0, 100.0)]}
     lines = report._verdict_lines(entry)
     assert lines[3:] == [
-        "- fast against greedy: faster at batch 1 median 2.00x, batch 1 p99 3.00x, "
-        "batched 1.50x; BLEU -2.50.",
-        "- slow against greedy: not faster at batch 1 median 0.50x, batch 1 p99 0.80x; "
-        "BLEU -2.00.",
-        "- mixed against greedy: faster at batch 1 median 1.20x; not faster at batch 1 p99 "
-        "0.90x, batched 0.70x; BLEU -1.00."]
-    assert report._verdict_lines({**entry, "methods": entry["methods"][:1]}) == []
+        "- padir_4 (BLEU 27.00): batch 1 median slower, 0.67x ct2 (BLEU -3.00); batch 1 p99 "
+        "faster, 2.00x greedy (BLEU -3.00); batched slower, 0.50x ct2 (BLEU -3.00). On the "
+        "BLEU/speed frontier: in no regime.",
+        "- dv (BLEU 30.00): batch 1 median faster, 2.00x ct2 (BLEU +0.00); batch 1 p99 "
+        "faster, 4.00x greedy (BLEU +0.00); batched slower, 0.11x ct2 (BLEU +0.00). On the "
+        "BLEU/speed frontier: batch 1 median, batch 1 p99."]
+    assert report._verdict_lines({**entry, "methods": entry["methods"][:2]}) == []
+
+
+def test_the_frontier_keeps_the_rows_no_other_beats_on_both():
+    methods = [_row("a", "ar_greedy", 30.0, 4.0, 4.0, 100.0),
+               _row("b", "padir", 27.0, 2.0, 2.0, 100.0),
+               _row("c", "padir", 26.0, 3.0, 3.0, 200.0),  # beaten at batch 1 by b
+               _row("d", "padir", 30.0, 4.0, 4.0, 100.0)]  # ties a: neither beats the other
+    assert report.on_frontier(methods, "median") == [True, True, False, True]
+    assert report.on_frontier(methods, "throughput") == [True, False, True, True]
 
 
 def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
@@ -317,6 +394,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     assert [m["method"] for m in entry["methods"]] == [m["name"] for m in METHODS]
     assert entry["baselines"] == {"ar_greedy": "greedy", "ar_beam": "beam2",
                                   "ct2_greedy": "ct2", "ct2_beam": "ct2_beam2"}
+    drafted = next(m for m in entry["methods"] if m["kind"] == "draft_verify")
+    assert drafted["draft"]["rounds_mean"] >= 1 and drafted["draft"]["tokens_per_round"] >= 1
     references = {p["id"]: p["target"]
                   for p in corpus.read_split(_uri(config, "prepare"), "test2016")}
     for method in entry["methods"]:
@@ -347,7 +426,8 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
     assert all(f"| {m['name']} |" in markdown for m in METHODS)
     assert "| beam2 | ar_beam | beam 2, length penalty 0.6 |" in markdown
     assert "| ct2_beam2 | ct2_beam | beam 2, length penalty 0.6, CTranslate2 int8 |" in markdown
-    assert "- padir_2 against ct2: " in markdown
+    assert "- padir_2 (BLEU " in markdown and "On the BLEU/speed frontier" in markdown
+    assert "- draft_verify (BLEU " in markdown and "| draft_verify | " in markdown
     # Tokenised lowercased BLEU is explained for any language pair, not one corpus.
     assert "compare with published figures" in markdown and "Multi30k" not in markdown
     for plot in report.PLOTS:

@@ -2,6 +2,8 @@
 
 import logging
 
+import pytest
+
 from components import logs
 
 
@@ -27,3 +29,26 @@ def test_configure_debug_lowers_the_project_level_only():
     finally:
         logs.configure()
     assert logging.getLogger().level == logging.INFO
+
+
+@pytest.mark.parametrize("text, redacted", [
+    ("cannot read https://user:pw@host:8080/a/b.gz?token=abc&x=1: HTTP 403",
+     "cannot read https://***@host:8080/a/b.gz?token=***&x=***: HTTP 403"),
+    ("url='http://127.0.0.1:3/x?X-Goog-Signature=f00d'",
+     "url='http://127.0.0.1:3/x?X-Goog-Signature=***'"),
+    ("zip://m.tsv::https://u:p@h/x.zip?sig=1", "zip://m.tsv::https://***@h/x.zip?sig=***"),
+    ("https://h?t#frag, then gs://bucket/work/prepare/k.",
+     "https://h?***#frag, then gs://bucket/work/prepare/k."),
+    ("${PADIR_DATA_ROOT}/multi30k/train.en.gz", "${PADIR_DATA_ROOT}/multi30k/train.en.gz"),
+])
+def test_redact_hides_userinfo_and_query_values_of_every_url(text, redacted):
+    assert logs.redact(text) == redacted
+
+
+def test_every_log_record_and_manifest_value_is_redacted():
+    record = logging.makeLogRecord({"msg": "fetching %s", "args": ("https://h/f?token=abc",),
+                                    "levelno": logging.INFO})
+    assert logs._Redact().filter(record)
+    assert record.getMessage() == "fetching https://h/f?token=***"
+    assert logs.redact_values({"corpus": ["https://u:p@h/f"], "n": 3}) == \
+        {"corpus": ["https://***@h/f"], "n": 3}

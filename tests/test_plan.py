@@ -36,7 +36,8 @@ def test_topological_order_puts_every_stage_after_its_inputs(config):
     assert plan.downstream("left", DIAMOND) == ["left", "report"]
     graph = dag.graph(config)
     order = plan.topological_order(graph)
-    assert sorted(order) == sorted(dag.STAGES)  # distillation is on by default
+    # Distillation is on by default; no default method decodes with the AR student.
+    assert sorted(order) == sorted(set(dag.STAGES) - {"ar_student"})
     for stage in order:
         assert all(order.index(up) < order.index(stage) for up in graph[stage])
 
@@ -46,6 +47,30 @@ def test_a_student_started_from_the_teacher_reads_the_teacher(config):
     assert dag.inputs(warm, "student") == ("prepare", "vocab", "encode_distilled", "teacher")
     assert dag.stage_key(warm, "student") != dag.stage_key(config, "student")
     assert dag.stage_key(warm, "teacher") == dag.stage_key(config, "teacher")
+
+
+def test_the_ar_student_runs_when_a_method_decodes_with_it_on_the_students_data(config):
+    assert "ar_student" not in dag.active_stages(config)
+    assert "ar_student" not in dag.inputs(config, "decode")
+    with pytest.raises(config_lib.ConfigError, match=r"'ar_student' is not part of this "
+                       r"config's run \(no decode method has model: ar_student\)"):
+        plan.plan(config, only="ar_student")
+    ar = config.replace(decode=config_lib.DecodeConfig(methods=(
+        config_lib.DecodeMethod("g", "ar_greedy", model="ar_student"),)))
+    assert "ar_student" in [row["stage"] for row in plan.describe(ar)]  # `padir status`
+    assert dag.inputs(ar, "decode") == ("prepare", "vocab", "teacher", "student", "ar_student")
+    assert dag.inputs(ar, "ar_student") == dag.inputs(ar, "student") == \
+        ("prepare", "vocab", "encode_distilled")
+    off = ar.replace(distill=config_lib.DistillConfig(enabled=False))
+    assert dag.inputs(off, "ar_student") == ("prepare", "vocab", "encode")
+    warm = ar.replace(ar_student=config_lib.ARStudentConfig(init_from_teacher=True))
+    assert dag.inputs(warm, "ar_student") == ("prepare", "vocab", "encode_distilled", "teacher")
+    # Its section changes its key and decode's (and score's, which reads decode), nothing
+    # else; and no key at all while no method decodes with it.
+    for base, changed in ((ar, {"ar_student", "decode", "score"}), (config, {"ar_student"})):
+        longer = base.replace(ar_student=config_lib.ARStudentConfig(steps=7))
+        assert {stage for stage in dag.STAGES
+                if dag.stage_key(longer, stage) != dag.stage_key(base, stage)} == changed
 
 
 def test_a_cycle_or_an_unknown_input_is_an_error():
@@ -62,7 +87,8 @@ def test_the_distill_switch_decides_what_the_student_trains_on(config):
     assert dag.inputs(off, "student") == ("prepare", "vocab", "encode")
     assert dag.inputs(config, "teacher") == dag.inputs(off, "teacher") == \
         ("prepare", "vocab", "encode")
-    assert set(dag.STAGES) - set(dag.active_stages(off)) == {"distill", "encode_distilled"}
+    assert set(dag.active_stages(config)) - set(dag.active_stages(off)) == {
+        "distill", "encode_distilled"}
     assert [s.stage for s in plan.plan(off)] == plan.topological_order(dag.graph(off))
     assert "distill" not in [s.stage for s in plan.plan(off)]
     assert plan.downstream("distill", dag.graph(config)) == \

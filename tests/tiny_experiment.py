@@ -1,5 +1,5 @@
 """A tiny end-to-end experiment config on a slice of Multi30k, shared by stage tests;
-`publish_untrained`: a teacher or train artifact with initial parameters, in seconds; and
+`publish_untrained`: a training artifact with initial parameters, in seconds; and
 `publish_prepared`: a prepare artifact of given pairs.
 
 The stage tests share one workdir per session (conftest's `tiny_workdir`): artifacts with
@@ -44,6 +44,8 @@ def tiny_config(workdir, *overrides: str) -> config_lib.Config:
         "teacher.optimizer.warmup_steps=1",
         f"student.model={TINY_MODEL}", f"student.loop={TINY_LOOP}", "student.phase1_steps=2",
         "student.phase2_steps=2", "student.optimizer.warmup_steps=1",
+        f"ar_student.model={TINY_MODEL}", f"ar_student.loop={TINY_LOOP}", "ar_student.steps=3",
+        "ar_student.optimizer.warmup_steps=1",
         # Few sources share a length here: small batches waste fewer filler rows.
         "distill.batch_size=8",
         *overrides,
@@ -61,8 +63,8 @@ def ensure(config: config_lib.Config, *stages: str) -> None:
 
 
 def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifact:
-    """A `teacher` or `train` artifact as its stage lays it out, with initial parameters
-    (once per key: an existing one is returned as it is)."""
+    """A `teacher`, `ar_student` or `student` artifact as its stage lays it out, with initial
+    parameters (once per key: an existing one is returned as it is)."""
     if artifacts.is_complete(dag.output_uri(config, stage)):
         return artifacts.read(dag.output_uri(config, stage))
     import jax  # imported here: the config helper above must not start JAX
@@ -73,7 +75,8 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
     from pipelines import training
 
     tokenizer = training.load_tokenizer(config)
-    make = training.teacher_model if stage == "teacher" else training.student_model
+    make = {"teacher": training.teacher_model, "ar_student": training.ar_student_model,
+            "student": training.student_model}[stage]
     model = make(config, tokenizer)
     params = model.init(jax.random.key(1), train.example_batch(model))
     inputs = {name: dag.output_uri(config, name) for name in dag.inputs(config, stage)}

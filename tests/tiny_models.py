@@ -13,7 +13,7 @@ import optax
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID
-from model.models import PaDIRModel
+from model.models import ARModel, PaDIRModel
 
 VOCAB = 40
 FIRST_REAL = 6
@@ -66,4 +66,11 @@ def train(model, params, steps: int, *, learning_rate: float = 3e-3):
 def memorised_padir() -> tuple[PaDIRModel, dict]:
     """A PaDIR model that has memorised BATCH (single-stage loss): (model, params)."""
     model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL, label_smoothing=0.0)
+    return model, train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 300)
+
+
+@functools.cache
+def memorised_ar() -> tuple[ARModel, dict]:
+    """An AR model that has memorised BATCH: (model, params)."""
+    model = ARModel(CONFIG, VOCAB, label_smoothing=0.0)
     return model, train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 300)
