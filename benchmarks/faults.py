@@ -52,7 +52,8 @@ MEASURED_FILES = {
     "teacher": ("tensorboard/*",),  # event files carry wall times
     "student": ("tensorboard/*",),
     # rendered from the latencies in report.json
-    "score": ("report.md", "plots/*/bleu_vs_latency.png", "plots/*/latency_vs_length.png"),
+    "score": ("report.md", "plots/*/bleu_vs_latency.png", "plots/*/bleu_vs_throughput.png",
+              "plots/*/latency_vs_length.png"),
 }
 
 

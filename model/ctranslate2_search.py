@@ -4,7 +4,7 @@ CTranslate2: the `ct2_greedy` and `ct2_beam` kinds.
 A `Translator` (model/translator.py) of these kinds hands each batch to `Search` instead of
 its jitted JAX calls; everything around it (tokenisation, the source cut to the widest
 bucket, the output cap, filler-free batches, the records) is the Translator's, so the rows
-compare with ours sentence for sentence. The teacher is exported once per process and
+compare with ours sentence for sentence. The model is exported once per process and
 artifact (model/ctranslate2_export.py, float32, into a temporary directory; with a
 vocabulary map when the method has `shortlist`) and served by a `Worker`: a child process
 (model/ctranslate2_worker.py) that imports CTranslate2 and never JAX, one per export,
@@ -161,7 +161,7 @@ def _close_workers() -> None:
 
 
 def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> str:
-    """The CTranslate2 model directory of a loaded teacher (model/translator.py
+    """The CTranslate2 model directory of a loaded AR model (model/translator.py
     `LoadedModel`), with the vocabulary map of `vocabulary_map` if given; exported once
     per process."""
     key = (loaded.uri, vocabulary_map is not None)
@@ -187,7 +187,7 @@ def worker(model_dir: str, compute_type: str, threads: Threads) -> Worker:
 
 
 class Search:
-    """One CTranslate2 method over a loaded teacher; called as the Translator calls its
+    """One CTranslate2 method over a loaded AR model; called as the Translator calls its
     jitted pair (`Translator._call`).
 
     Args:

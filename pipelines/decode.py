@@ -32,8 +32,9 @@ The batched pass decodes batches of similar lengths and one decoder shape
 longest sentence costs. Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
 model/translator.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
 Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
-counted), never dropped. Each method x test set x pass is one RunInference; the
-checkpoints are restored once per worker process (pipelines/model_handler.py).
+counted), never dropped. Each method x test set x pass is one RunInference, in a runner
+stage of its own (`DecodeAndWrite`: one method's decodes never interleave with another's);
+the checkpoints are restored once per worker process (pipelines/model_handler.py).
 
 The CTranslate2 methods translate in a process of their own, which never imports JAX, so
 that no other runtime's threads share CTranslate2's cores, and are timed there
@@ -156,6 +157,12 @@ class DecodeAndWrite(beam.PTransform):
 
     Counts the records as `counter_name`, and the truncated sources as `truncated_counter`
     if given (truncation depends on the source only: one pass per test set counts it).
+
+    The examples are reshuffled first, so that this decode is a runner stage of its own:
+    fused with the other methods' (they read the same examples), the runner would decode
+    each example by every method in turn, and a method's timing would take in the others'
+    threads (XLA's pool spinning on after a JAX call, beside CTranslate2's worker) and
+    caches. Apart, the in-process runner decodes one method's pass after another.
     """
 
     def __init__(self, handler: TranslationModelHandler, path: str, counter_name: str, *,
@@ -171,6 +178,7 @@ class DecodeAndWrite(beam.PTransform):
         handler = KeyedModelHandler(self._handler)
         records = (
             examples
+            | "OneMethodAtATime" >> beam.Reshuffle()
             | "RunInference" >> RunInference(
                 handler.with_no_batching() if self._batched else handler)
             | "ToRecord" >> beam.MapTuple(to_record)
