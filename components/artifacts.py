@@ -795,11 +795,7 @@ class _GcsLease:
         each copy and delete is then made on that generation, the manifest copied last."""
         self.stopper.disarm()
         self.fs.invalidate_cache()
-        if self.published(final_path) not in (None, replaces):
-            if temporary:
-                self.fs.rm(tmp_path, recursive=True)
-            _kept_theirs(self.name)
-            self.settled = True
+        if self._keep_theirs(tmp_path, final_path, replaces=replaces, temporary=temporary):
             return
         source, there = self._objects(tmp_path), self._objects(final_path)
         names = sorted(source, key=lambda name: (name == MANIFEST, name))
@@ -811,16 +807,24 @@ class _GcsLease:
             self.committed = self._swap(dict(self.holder, publishing=recorded),
                                         self.generation)
         if not self.committed:
-            if self.published(final_path) not in (None, replaces):
-                if temporary:
-                    self.fs.rm(tmp_path, recursive=True)
-                _kept_theirs(self.name)
-                self.settled = True
+            if self._keep_theirs(tmp_path, final_path, replaces=replaces, temporary=temporary):
                 return
             raise LeaseLost(f"{self.name}: its lease was {self.lost_to()} before this run "
                             "published; it published nothing")
         self._materialize(recorded)
         self.settled = True
+
+    def _keep_theirs(self, tmp_path: str, final_path: str, *, replaces: str | None,
+                     temporary: bool) -> bool:
+        """If another run published `final_path` meanwhile: discards this run's output,
+        keeps theirs, and says so (True)."""
+        if self.published(final_path) in (None, replaces):
+            return False
+        if temporary:
+            self.fs.rm(tmp_path, recursive=True)
+        _kept_theirs(self.name)
+        self.settled = True
+        return True
 
     def _materialize(self, recorded: Mapping[str, Any]) -> None:
         """Makes a recorded publication, whoever recorded it: each step on its generation,
