@@ -359,6 +359,9 @@ class StudentConfig:
     # Both phases: each example's noise ratio is drawn from U(min_noise_ratio, 1)
     # (model/noising.py); above 0, more steps see the heavily masked inputs of the first passes.
     min_noise_ratio: float = 0.0
+    # Both phases: this fraction of the examples is noised as draft and verify drafts (a gold
+    # prefix of uniform length, the rest masked: model/noising.py); 0 is off.
+    draft_prefix_ratio: float = 0.0
     label_smoothing: float = 0.1  # of the token cross-entropies (not of the length loss)
     # Phase 1 starts from the teacher's parameters where paths and shapes match (embedding,
     # encoder, decoder attention and MLPs: model/warm_start.py); the rest from scratch.
@@ -373,6 +376,8 @@ class StudentConfig:
             raise ConfigError("student.glancing_ratio: expected a value in [0, 1]")
         if not 0.0 <= self.min_noise_ratio < 1.0:
             raise ConfigError("student.min_noise_ratio: expected a value in [0, 1)")
+        if not 0.0 <= self.draft_prefix_ratio <= 1.0:
+            raise ConfigError("student.draft_prefix_ratio: expected a value in [0, 1]")
 
 
 # Logical axis -> mesh axes, in priority order (flax `logical_to_mesh_axes` semantics: an

@@ -311,18 +311,20 @@ class PaDIRModel(_BaseModel):
         remask_stutter: bool = False,
         glancing_ratio: float = 0.0,
         min_noise_ratio: float = 0.0,
+        draft_prefix_ratio: float = 0.0,
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
 
         `rng` drives the noise, dropout and glancing; `num_stages`, `remask_stutter`,
-        `glancing_ratio` and `min_noise_ratio` (model/noising.py) are static.
+        `glancing_ratio`, `min_noise_ratio` and `draft_prefix_ratio` (model/noising.py's
+        `min_ratio`, `prefix_ratio`) are static.
         """
         target = batch["target"]
         noise_rng, dropout_rng = jax.random.split(rng)
         noised_ids, noised_mask = noising.noise_targets(
             noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id,
-            min_ratio=min_noise_ratio)
+            min_ratio=min_noise_ratio, prefix_ratio=draft_prefix_ratio)
         variables = {"params": params}
         encoded, memory_mask = self.module.apply(
             variables, batch["source"], deterministic,

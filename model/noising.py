@@ -7,6 +7,10 @@ becomes [MASK] (80%), a random real piece (10%) or stays as it is (10%). Drawing
 example exposes the model to everything from a nearly clean to a fully masked input,
 the latter being what the first refinement pass sees at inference; a `min_ratio` above 0
 spends more of the steps on the heavily masked inputs the first passes see.
+
+With `prefix_ratio` > 0, that fraction of the examples is noised instead as draft and
+verify shows the student its input (model/draft_verify.py): a gold prefix of uniform
+length kept, every token after it (EOS aside) masked.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ def noise_targets(
     mask_prob: float = 0.8,
     random_prob: float = 0.1,
     min_ratio: float = 0.0,
+    prefix_ratio: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Noises targets for the stage-1 decoder input.
 
@@ -39,6 +44,8 @@ def noise_targets(
         probability 1 - mask_prob - random_prob it keeps its value (but is still noised,
         i.e. still carries loss weight).
       min_ratio: the noise ratio is drawn from U(min_ratio, 1).
+      prefix_ratio: the probability that an example gets the drafting pattern instead (a
+        prefix of k ~ U{0, ..., n - 1} of its n pieces kept, the rest [MASK]).
 
     Returns:
       noised_ids: int32[B, T], equal to `targets` outside the noised positions (pads and
@@ -61,5 +68,14 @@ def noise_targets(
         jnp.asarray(MASK_ID, targets.dtype),
         jnp.where(action < mask_prob + random_prob, pieces, targets),
     )
+    if prefix_ratio > 0:
+        # Its own keys, so that the other examples' noise is the same as without it.
+        pick_rng, cut_rng = jax.random.split(jax.random.fold_in(rng, 1))
+        drafted = jax.random.uniform(pick_rng, (batch, 1)) < prefix_ratio  # [B, 1]
+        pieces_per_row = jnp.sum(eligible, axis=1, keepdims=True)  # [B, 1]
+        cut = jnp.floor(jax.random.uniform(cut_rng, (batch, 1)) * pieces_per_row)  # [B, 1]
+        after = eligible & (jnp.arange(length)[None, :] >= cut)  # [B, T]
+        noised_mask = jnp.where(drafted, after, noised_mask)
+        replacement = jnp.where(drafted, jnp.asarray(MASK_ID, targets.dtype), replacement)
     noised_ids = jnp.where(noised_mask, replacement, targets)
     return noised_ids, noised_mask

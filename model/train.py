@@ -798,9 +798,11 @@ def student_loss_options(cfg: StudentConfig, phase: int) -> dict[str, Any]:
     """`model.loss_fn`'s static settings in the student's phase 1 (one stage) or phase 2
     (`cfg.num_stages` unrolled), so that whatever times a phase trains the same loss."""
     if phase == 1:
-        return dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio)
+        return dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio,
+                    draft_prefix_ratio=cfg.draft_prefix_ratio)
     return dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
-                glancing_ratio=cfg.glancing_ratio, min_noise_ratio=cfg.min_noise_ratio)
+                glancing_ratio=cfg.glancing_ratio, min_noise_ratio=cfg.min_noise_ratio,
+                draft_prefix_ratio=cfg.draft_prefix_ratio)
 
 
 # The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's

@@ -91,3 +91,27 @@ def test_min_ratio_moves_the_noise_ratio_to_its_range():
     per_example = mask.sum(1) / np.maximum(eligible.sum(1), 1)
     long_rows = eligible.sum(1) >= 20
     assert per_example[long_rows].min() > 0.25
+
+
+def test_prefix_ratio_gives_drafting_inputs_a_gold_prefix_and_the_rest_masked():
+    targets = _targets(4096, 24)
+    ids, mask = map(np.asarray, _noise(2, targets, prefix_ratio=0.5))
+    plain_ids, plain_mask = map(np.asarray, _noise(2, targets))
+    targets = np.asarray(targets)
+    eligible = (targets != EOS_ID) & (targets != PAD_ID)
+    # A drafting row: noised exactly from a cut to its EOS, every noised token [MASK].
+    cut = np.where(mask.any(1), mask.argmax(1), eligible.sum(1))
+    suffix = eligible & (np.arange(targets.shape[1])[None, :] >= cut[:, None])
+    drafting = (mask == suffix).all(1) & np.array([(row_ids[row_mask] == MASK_ID).all()
+                          for row_ids, row_mask in zip(ids, mask)])
+    # Unchanged rows keep exactly the noise they had without the option.
+    unchanged = (mask == plain_mask).all(1) & (ids == plain_ids).all(1)
+    assert (drafting | unchanged).all()
+    long_rows = eligible.sum(1) >= 12  # where a random noise is unlikely to look drafted
+    share = (drafting & ~unchanged)[long_rows].mean()
+    assert abs(share - 0.5) < 0.05
+    # The cut is uniform over the pieces: the kept prefix covers about half of them.
+    rows = drafting & ~unchanged & long_rows
+    kept = (cut[rows] / eligible.sum(1)[rows]).mean()
+    assert abs(kept - 0.5) < 0.05
+    np.testing.assert_array_equal(np.where(mask, targets, ids), targets)  # prefix is gold
