@@ -2,9 +2,10 @@
 
 Configs name their corpora under the data root, `${PADIR_DATA_ROOT}/multi30k/train.en.gz`.
 When the user sets PADIR_DATA_ROOT (a local copy, CI, a `gs://` bucket), the files are read
-from there and nothing is fetched. When not, `padir` points it at a local cache laid out
-like a data root (`use_cache`: `$XDG_CACHE_HOME/padir/data`, default ~/.cache/padir/data)
-and fetches there the files a config names (`required`, `fetch_all`) before a stage reads
+from there and nothing is fetched. When not, `padir` and `python -m pipelines.NAME` (both
+load their config through `load_config`) point it at a local cache laid out like a data
+root (`use_cache`: `$XDG_CACHE_HOME/padir/data`, default ~/.cache/padir/data) and fetch
+there the files a config names (`required`, `fetch_all`) before the prepare stage reads
 them. Artifact keys hash the placeholder, not the root, so a run on the cache and one on a
 local copy of the same bytes share their artifacts.
 
@@ -28,8 +29,9 @@ import os
 import urllib.error
 import urllib.request
 import uuid
-from typing import Iterable, MutableMapping, Optional
+from typing import Iterable, MutableMapping, Optional, Sequence
 
+from components import config as config_lib
 from components import logs
 from components.config import DataConfig
 
@@ -98,6 +100,24 @@ def use_cache(environ: MutableMapping[str, str] = os.environ) -> Optional[str]:
         return None
     environ[ROOT_VARIABLE] = root = cache_dir(environ)
     return root
+
+
+def load_config(path: str, overrides: Sequence[str] = (), *,
+                reads_corpora: bool) -> config_lib.Config:
+    """`config.load` for a command that takes a config (`padir`, `python -m pipelines.NAME`),
+    with the data root's fallback: without PADIR_DATA_ROOT the configs' corpora are read
+    from the cache (`use_cache`), and a command that reads the raw corpora (one that may run
+    the prepare stage) first fetches there the files the config names.
+
+    Raises:
+      ConfigError: a bad config.
+      FetchError: a file that could not be fetched, or one with no pinned source.
+    """
+    cache = use_cache()
+    config = config_lib.load(path, overrides)
+    if cache and reads_corpora:  # before any stage starts
+        fetch_all(required(config.data), cache)
+    return config
 
 
 def required(data: DataConfig) -> list[str]:

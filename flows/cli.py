@@ -444,7 +444,6 @@ ARTIFACT_COMMANDS = {"translate": _translate, "theory": _theory, "export": _expo
 
 def main(argv: Sequence[str] | None = None) -> int:
     use_compilation_cache()
-    data_cache = datasets.use_cache()  # None: PADIR_DATA_ROOT is the user's, read as it is
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logs.configure(logging.DEBUG if args.debug else logging.INFO)
@@ -453,9 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra:
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             return ARTIFACT_COMMANDS[args.command](args)
-        config = config_lib.load(args.config, args.set)
-        if data_cache and _reads_corpora(args):  # before any stage starts
-            datasets.fetch_all(datasets.required(config.data), data_cache)
+        config = datasets.load_config(args.config, args.set, reads_corpora=_reads_corpora(args))
         if args.command == "stage":
             artifact = stages.run_stage(args.name, config, beam_args=extra)
             print(f"{args.name}: {artifact.uri}")

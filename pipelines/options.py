@@ -16,18 +16,23 @@ from typing import Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from components import artifacts, corpus, logs
+from components import artifacts, corpus, datasets, logs
 from components import config as config_lib
 
 
-def parse_args(argv: Sequence[str] | None, description: str) -> tuple[config_lib.Config, list[str]]:
-    """Parses our flags; everything else is returned as Beam pipeline flags."""
+def parse_args(argv: Sequence[str] | None, description: str,
+               reads_corpora: bool = False) -> tuple[config_lib.Config, list[str]]:
+    """Parses our flags; everything else is returned as Beam pipeline flags. Without
+    PADIR_DATA_ROOT the corpora are read from the data cache, as with `padir`, and a job that
+    reads the raw corpora (`reads_corpora`: prepare) fetches them there first
+    (`datasets.load_config`)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", required=True, help="experiment YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set vocab.size=4000")
     known, beam_args = parser.parse_known_args(argv)
-    return config_lib.load(known.config, known.set), beam_args
+    config = datasets.load_config(known.config, known.set, reads_corpora=reads_corpora)
+    return config, beam_args
 
 
 def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -> PipelineOptions:
@@ -37,8 +42,8 @@ def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -
 
 
 # What a user can fix: a bad config or corpus, a missing input, a key another run holds.
-USER_ERRORS = (config_lib.ConfigError, corpus.CorpusError, artifacts.IncompleteArtifactError,
-               artifacts.LeaseHeldError)
+USER_ERRORS = (config_lib.ConfigError, corpus.CorpusError, datasets.FetchError,
+               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError)
 
 
 def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
@@ -47,7 +52,8 @@ def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
     logs.configure()
     job = run.__module__.rsplit(".", 1)[-1]
     try:
-        config, beam_args = parse_args(argv, description=description.splitlines()[0])
+        config, beam_args = parse_args(argv, description=description.splitlines()[0],
+                                       reads_corpora=job == "prepare")
         artifact = run(config, beam_args=beam_args)
     except USER_ERRORS as e:
         print(f"{job}: error: {e}", file=sys.stderr)

@@ -200,3 +200,34 @@ def test_padir_data_fetch_without_a_data_root_fills_the_cache(local_copy, serve,
     shutil.copytree(cache, root)
     assert cli.main(["data", "fetch", "configs/demo.yaml", "--root", str(root)]) == 0
     assert capsys.readouterr().out.split()[0] == str(root / sorted(DEMO_FILES)[0])
+
+
+def test_a_beam_job_alone_falls_back_to_the_cache_as_padir_does(tmp_path, monkeypatch, capsys):
+    """`python -m pipelines.NAME` without PADIR_DATA_ROOT reads the cache, as `padir` does
+    (`datasets.load_config`, which both call): prepare fetches what the config names there
+    first, a job that does not read the raw corpora fetches nothing."""
+    from pipelines import prepare, vocab
+
+    fetched, ran = [], []
+    monkeypatch.setattr(datasets, "fetch_all", lambda names, root: fetched.append((names, root)))
+
+    def run(config, beam_args):  # the job's graph is not what this test is about
+        ran.append(config)
+        return type("Artifact", (), {"stage": "prepare", "uri": "u"})
+
+    run.__module__ = prepare.__name__  # options.main names the job by its module
+    monkeypatch.setattr(prepare, "run", run)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PADIR_DATA_ROOT", "")  # restored to the session's value afterwards
+    monkeypatch.delenv("PADIR_DATA_ROOT")
+    monkeypatch.chdir(REPO)
+    cache = datasets.cache_dir({"XDG_CACHE_HOME": str(tmp_path)})
+    workdir = f"workdir={tmp_path / 'work'}"
+    assert prepare.main(["--config", "configs/demo.yaml", "--set", workdir]) == 0
+    assert fetched == [(sorted(DEMO_FILES), cache)] and len(ran) == 1
+    assert os.environ["PADIR_DATA_ROOT"] == cache
+    fetched.clear()
+    monkeypatch.delenv("PADIR_DATA_ROOT")
+    assert vocab.main(["--config", "configs/demo.yaml", "--set", workdir]) == 2
+    assert "run `padir stage prepare` first" in capsys.readouterr().err  # not a missing variable
+    assert fetched == []
