@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from components import artifacts, corpus, datasets, logs
+from components import artifacts, datasets, logs
+from components.errors import USER_ERRORS
 from components import config as config_lib
 
 
@@ -41,14 +42,10 @@ def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -
     return PipelineOptions(flags)
 
 
-# What a user can fix: a bad config or corpus, a missing input, a key another run holds.
-USER_ERRORS = (config_lib.ConfigError, corpus.CorpusError, datasets.FetchError,
-               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError)
-
-
 def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
     """The body of every Beam job's `main`: parse, run the stage, print its artifact. Bad
-    input is one line on stderr (`prepare: error: ...`) and exit status 2, no traceback."""
+    input is one line on stderr (`prepare: error: ...`) and exit status 2, a stage stopped
+    (its lease lost, or on request) one line and exit status 3, as with `padir`."""
     logs.configure()
     job = run.__module__.rsplit(".", 1)[-1]
     try:
@@ -56,7 +53,10 @@ def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
                                        reads_corpora=job == "prepare")
         artifact = run(config, beam_args=beam_args)
     except USER_ERRORS as e:
-        print(f"{job}: error: {e}", file=sys.stderr)
+        print(f"{job}: error: {logs.redact(str(e))}", file=sys.stderr)
         return 2
+    except artifacts.StageStopped as e:
+        print(f"{job}: {e}", file=sys.stderr)
+        return 3
     print(f"{artifact.stage}: {artifact.uri}")
     return 0
