@@ -374,20 +374,21 @@ def probe_training(directory: str, about: dict, loaded: dict[str, Any], *, steps
     import jax
 
     from model import train
+    from model.losses import student_loss_settings
 
     teacher, student = packed_section(about, "teacher"), packed_section(about, "student")
-    runs = [("teacher", "teacher", teacher, {}),
-            ("student phase 1", "student", student, train.student_loss_options(student, 1)),
-            ("student phase 2", "student", student, train.student_loss_options(student, 2))]
+    runs = [("teacher", "teacher", teacher, None),
+            ("student phase 1", "student", student, student_loss_settings(student, 1)),
+            ("student phase 2", "student", student, student_loss_settings(student, 2))]
     rates = []
-    for name, stage, section, loss_options in runs:
+    for name, stage, section, loss_settings in runs:
         model = dataclasses.replace(loaded[stage].model, label_smoothing=section.label_smoothing)
         tx, _ = train.make_optimizer(section.optimizer, total_steps=max(steps, 2))
         params = jax.tree.map(lambda x: x.copy(), loaded[stage].params)
         state = train.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                                  opt_state=tx.init(params), rng=jax.random.PRNGKey(about["seed"]))
-        step = jax.jit(functools.partial(train.train_step, model=model, tx=tx, **loss_options),
-                       donate_argnums=0)
+        step = jax.jit(functools.partial(train.train_step, model=model, tx=tx,
+                                         loss_settings=loss_settings), donate_argnums=0)
         with np.load(os.path.join(directory, _batches_file(stage))) as flat:
             batches = [{side: flat[f"{side}_{i:04d}"].astype(np.int32)
                         for side in ("source", "target")}

@@ -78,27 +78,26 @@ ARMS = {
 }
 
 
-def step_seconds(config: config_lib.Config, num_stages: int, *, length: int,
+def step_seconds(config: config_lib.Config, phase: int, *, length: int,
                  steps: int = 3) -> float:
-    """The student's train-step time with `num_stages` unrolled stages, on a synthetic batch
-    of `loop.tokens_per_batch` tokens at `length` (best of `steps` timed steps, after a
-    compiling one: the least disturbed by other processes)."""
+    """The student's train-step time in `phase` (1 or 2: its loss as the stage trains it),
+    on a synthetic batch of `loop.tokens_per_batch` tokens at `length` (best of `steps`
+    timed steps, after a compiling one: the least disturbed by other processes)."""
     import jax
     import numpy as np
 
     from benchmarks import train_throughput
     from model import sharding, train
+    from model.losses import student_loss_settings
     from pipelines import training
 
     model = training.student_model(config, training.load_tokenizer(config))
     tx, _ = train.make_optimizer(config.student.optimizer, total_steps=1000)
     placement = train.place(model, tx, config.mesh)
-    state = placement.create_state(seed=0)
     compiled = train.compile_steps(
         model, tx, placement.state_shardings, placement.batch_sharding,
-        num_stages=num_stages, remask_stutter=config.student.remask_stutter,
-        glancing_ratio=config.student.glancing_ratio if num_stages > 1 else 0.0,
-        min_noise_ratio=config.student.min_noise_ratio)
+        loss_settings=student_loss_settings(config.student, phase))
+    state = placement.create_state(seed=0)
     rows = max(jax.device_count(), config.student.loop.tokens_per_batch // length)
     rows -= rows % jax.device_count()
     batch = sharding.shard_batch(train_throughput.synthetic_batch(
@@ -220,9 +219,9 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
     fraction = (section.phase2_steps / (section.phase1_steps + section.phase2_steps)
                 if arm.phase2_fraction is None else arm.phase2_fraction)
     shapes = step_shapes(config)
-    for phase, stages_per_step in (("phase1", 1), ("phase2", section.num_stages)):
+    for phase, number in (("phase1", 1), ("phase2", 2)):
         if shapes[phase] not in probes:
-            probes[shapes[phase]] = step_seconds(config, stages_per_step, length=probe_length)
+            probes[shapes[phase]] = step_seconds(config, number, length=probe_length)
     phase1_s, phase2_s = probes[shapes["phase1"]], probes[shapes["phase2"]]
     phase1, phase2 = plan_steps(60 * minutes, phase1_s, phase2_s, fraction)
     sized = [*base, *sized_overrides(arm, config, phase1, phase2, minutes)]

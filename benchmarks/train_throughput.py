@@ -18,7 +18,8 @@ decoder attention per layer: T x T self, T x S' cross, and PaDIR's T x T positio
 
 With `--config` (and `--set` overrides) the models, vocabulary size and batch are the
 config's: its teacher and student shapes, `vocab.size`, and `loop.tokens_per_batch` padded
-tokens per step at `--length` (the recipe study, benchmarks/recipe.py, sizes its runs so).
+tokens per step at `--length`; the student's phases train their loss as the config sets it
+(model/losses.py `student_loss_settings`).
 The ceiling is then also measured at the model's own matmul shapes (a batch's rows times the
 attention/MLP/output-projection weights), the ceiling the step can reach in principle.
 
@@ -43,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from components import config as config_lib
-from components.config import MeshConfig, ModelConfig, OptimizerConfig
+from components.config import MeshConfig, ModelConfig, OptimizerConfig, StudentConfig
 from model import sharding, train
+from model.losses import student_loss_settings
 from model.models import ARModel, PaDIRModel
 
 FIRST_REAL_ID = 6
@@ -161,15 +163,16 @@ def operation_breakdown(step, state, batch, vocab: int, steps: int = 3) -> tuple
     return [(kind, round(ms, 1)) for kind, ms in totals.most_common()], dict(largest)
 
 
-def measure(name, model, num_stages, args, rng) -> dict:
+def measure(name, model, loss_settings, args, rng) -> dict:
+    """One model's step; `loss_settings`: the student's in one phase, None for the AR model."""
     cfg = model.config
     padir = isinstance(model, PaDIRModel)
+    num_stages = 1 if loss_settings is None else loss_settings.num_stages
     tx, _ = train.make_optimizer(OptimizerConfig(), total_steps=1000)
     placement = train.place(model, tx, MeshConfig())
-    state = placement.create_state(seed=0)
-    loss_options = dict(num_stages=num_stages, remask_stutter=False) if padir else {}
     steps = train.compile_steps(model, tx, placement.state_shardings, placement.batch_sharding,
-                                **loss_options)
+                                loss_settings=loss_settings)
+    state = placement.create_state(seed=0)
     batch = sharding.shard_batch(
         synthetic_batch(rng, args.vocab, args.batch, args.length, args.length),
         placement.batch_sharding,
@@ -227,27 +230,32 @@ def main(argv=None) -> None:
     parser.add_argument("--models", default="teacher,phase1,phase2",
                         help="comma-separated subset of teacher,phase1,phase2")
     args = parser.parse_args(argv)
-    teacher_cfg = student_cfg = ModelConfig()  # the small default: d_model 256, 3+3 layers
+    teacher_cfg = ModelConfig()  # the small default: d_model 256, 3+3 layers
+    student = StudentConfig()  # the same model, and the default loss of each phase
     label_smoothing = 0.1
     if args.config:
         config = config_lib.load(args.config, args.set)
-        teacher_cfg, student_cfg = config.teacher.model, config.student.model
+        teacher_cfg, student = config.teacher.model, config.student
         label_smoothing = config.teacher.label_smoothing
         args.vocab = config.vocab.size
         args.batch = max(1, config.teacher.loop.tokens_per_batch // args.length)
     rng = np.random.default_rng(0)
     print(f"devices: {jax.devices()}  batch {args.batch} x length {args.length}, "
           f"vocab {args.vocab}", flush=True)
+    def make_student():
+        return PaDIRModel(student.model, args.vocab, FIRST_REAL_ID,
+                          label_smoothing=student.label_smoothing)
+
     runs = {
-        "teacher": ("teacher (AR)", lambda: ARModel(teacher_cfg, args.vocab, label_smoothing), 1),
-        "phase1": ("PaDIR phase 1 (K=1)",
-                   lambda: PaDIRModel(student_cfg, args.vocab, FIRST_REAL_ID), 1),
-        "phase2": ("PaDIR phase 2 (K=2)",
-                   lambda: PaDIRModel(student_cfg, args.vocab, FIRST_REAL_ID), 2),
+        "teacher": ("teacher (AR)", lambda: ARModel(teacher_cfg, args.vocab, label_smoothing),
+                    None),
+        "phase1": ("PaDIR phase 1 (K=1)", make_student, student_loss_settings(student, 1)),
+        "phase2": (f"PaDIR phase 2 (K={student.num_stages})", make_student,
+                   student_loss_settings(student, 2)),
     }
     for key in args.models.split(","):
-        name, make_model, stages = runs[key]
-        print(json.dumps(measure(name, make_model(), stages, args, rng)), flush=True)
+        name, make_model, loss_settings = runs[key]
+        print(json.dumps(measure(name, make_model(), loss_settings, args, rng)), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Losses: token cross-entropy, the AR loss, the PaDIR K-stage unrolled loss, the length loss.
+"""Losses: token cross-entropy, the AR loss, the PaDIR K-stage unrolled loss, the length loss;
+and the student's loss settings per phase (`LossSettings`, `student_loss_settings`).
 
 Normalisation is explicit and per token: `cross_entropy` returns (sum of losses, sum of
 weights) and the objectives divide one by the other per stage. (The original sums, which
@@ -9,14 +10,43 @@ them over steps and devices before dividing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from components.config import StudentConfig
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
 from model.transformer import argmax_ids, best_target_logit
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The static settings of the student's loss in one phase (`PaDIRModel.loss_fn`):
+    hashable, so that a jitted step takes them as a static argument. Built from the config
+    by `student_loss_settings` only, so that whatever trains or times a phase computes the
+    same loss; the config checks each value.
+    """
+
+    num_stages: int = 1  # K, the unrolled stages (`padir_loss`)
+    remask_stutter: bool = False  # re-mask stutter in the input of stages k > 1
+    glancing_ratio: float = 0.0  # GLAT at stages k > 1 (`glance`); 0 is off
+    min_noise_ratio: float = 0.0  # noising.noise_targets' `min_ratio`
+    draft_prefix_ratio: float = 0.0  # noising.noise_targets' `prefix_ratio`
+
+
+def student_loss_settings(cfg: StudentConfig, phase: int) -> LossSettings:
+    """The student's loss in phase 1 (one stage) or phase 2 (`cfg.num_stages` unrolled,
+    with its stutter re-masking and glancing); the noise is the same in both."""
+    if phase not in (1, 2):
+        raise ValueError(f"the student trains in phase 1 or 2, not {phase}")
+    noise = dict(min_noise_ratio=cfg.min_noise_ratio, draft_prefix_ratio=cfg.draft_prefix_ratio)
+    if phase == 1:
+        return LossSettings(**noise)
+    return LossSettings(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
+                        glancing_ratio=cfg.glancing_ratio, **noise)
 
 
 def cross_entropy(
@@ -233,10 +263,9 @@ def padir_loss(
       targets: int32[B, T] ids + EOS, 0-padded.
       noised_ids, noised_mask: from `noising.noise_targets`.
       length_logits: float[B, C] from the length classifier.
-      num_stages: K, static (1 in phase 1, 2 in phase 2).
-      remask_stutter: re-mask stutter in the input of stages k > 1.
+      num_stages, remask_stutter, glancing_ratio: static, from `LossSettings` (whose
+        values the config checked).
       label_smoothing: for the token cross-entropies (not the length loss).
-      glancing_ratio: in [0, 1], static; 0 turns glancing off.
       rng: a PRNG key, needed by glancing (stage k draws from fold_in(rng, k)).
 
     Returns:
@@ -244,10 +273,6 @@ def padir_loss(
       `loss_stage{k}`, `weights_stage{k}`, `accuracy_stage{k}` for k > 1; `tokens` (non-pad
       targets); `length_loss`, `length_accuracy`, `examples`.
     """
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if not 0.0 <= glancing_ratio <= 1.0:
-        raise ValueError(f"glancing_ratio must be in [0, 1], got {glancing_ratio}")
     if glancing_ratio > 0 and rng is None:
         raise ValueError("glancing needs an rng")
     non_pad = targets != PAD_ID

@@ -4,7 +4,7 @@
 or scores needs, and nothing about optimisation:
 
     params = model.init(rng, batch)                      # plain arrays, no boxes
-    loss, metrics = model.loss_fn(params, batch, rng)   # PaDIR also: num_stages, remask_stutter
+    loss, metrics = model.loss_fn(params, batch, rng)   # PaDIR also: settings (LossSettings)
     tokens = model.predict_batch(params, batch)          # int32[B, T]
 
 A batch is `{"source": int32[B, S], "target": int32[B, T]}`: ids followed by EOS,
@@ -307,24 +307,19 @@ class PaDIRModel(_BaseModel):
         batch: Batch,
         rng: jax.Array,
         *,
-        num_stages: int = 1,
-        remask_stutter: bool = False,
-        glancing_ratio: float = 0.0,
-        min_noise_ratio: float = 0.0,
-        draft_prefix_ratio: float = 0.0,
+        settings: losses.LossSettings = losses.LossSettings(),
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
 
-        `rng` drives the noise, dropout and glancing; `num_stages`, `remask_stutter`,
-        `glancing_ratio`, `min_noise_ratio` and `draft_prefix_ratio` (model/noising.py's
-        `min_ratio`, `prefix_ratio`) are static.
+        `rng` drives the noise, dropout and glancing; `settings` (static: the phase's,
+        `losses.student_loss_settings`) say how many stages, and how the noise is drawn.
         """
         target = batch["target"]
         noise_rng, dropout_rng = jax.random.split(rng)
         noised_ids, noised_mask = noising.noise_targets(
             noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id,
-            min_ratio=min_noise_ratio, prefix_ratio=draft_prefix_ratio)
+            min_ratio=settings.min_noise_ratio, prefix_ratio=settings.draft_prefix_ratio)
         variables = {"params": params}
         encoded, memory_mask = self.module.apply(
             variables, batch["source"], deterministic,
@@ -347,10 +342,10 @@ class PaDIRModel(_BaseModel):
             noised_ids,
             noised_mask,
             length_logits,
-            num_stages=num_stages,
-            remask_stutter=remask_stutter,
+            num_stages=settings.num_stages,
+            remask_stutter=settings.remask_stutter,
             label_smoothing=self.label_smoothing,
-            glancing_ratio=glancing_ratio,
+            glancing_ratio=settings.glancing_ratio,
             rng=jax.random.fold_in(rng, GLANCING_STREAM),
         )
 

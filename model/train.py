@@ -1,11 +1,11 @@
 """The training engine: one loop for the AR teacher and the PaDIR student.
 
 The model is anything with the small interface of model/models.py (`init(rng, batch)`,
-`loss_fn(params, batch, rng, *, deterministic, **loss_options) -> (loss, metric sums)`,
+`loss_fn(params, batch, rng, *, deterministic) -> (loss, metric sums)`,
 `predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
-`loss_options` are a run's static loss settings (the student's `num_stages`,
-`remask_stutter`, `glancing_ratio` and `min_noise_ratio`; none for the teacher), given as
-they are to `model.loss_fn`.
+A student's run also has its phase's loss settings (`RunSpec.loss_settings`, model/losses.py
+`student_loss_settings`), which the steps give `model.loss_fn` as `settings`; the AR
+models' loss has none.
 
 A run is `train(model, data, run, mesh)`: what it reads (`TrainData`), what it is asked to
 do (`RunSpec`: steps, optimizer, cadences, checkpoint directory, seed), and the mesh;
@@ -56,6 +56,7 @@ from components.config import (
 from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
 from model import checkpoints, refinement, sharding
+from model.losses import LossSettings, student_loss_settings
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,13 @@ def example_batch(model: Any) -> dict[str, jax.Array]:
 # --- steps ---------------------------------------------------------------------------------
 
 
+def _loss_fn(model: Any, settings: Optional[LossSettings]) -> Callable:
+    """`model.loss_fn` with a student's loss settings bound; an AR model's (None) as it is."""
+    if settings is None:
+        return model.loss_fn
+    return functools.partial(model.loss_fn, settings=settings)
+
+
 def train_step(
     state: TrainState,
     batch: Batch,
@@ -171,7 +179,7 @@ def train_step(
     model: Any,
     tx: optax.GradientTransformation,
     ema_decay: Optional[float] = None,
-    **loss_options: Any,
+    loss_settings: Optional[LossSettings] = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update (and of the parameters' average, if the state keeps one).
     Returns the new state and the step's metric sums (plus the loss it optimised,
@@ -179,7 +187,7 @@ def train_step(
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params):
-        return model.loss_fn(params, batch, rng, **loss_options)
+        return _loss_fn(model, loss_settings)(params, batch, rng)
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -198,11 +206,11 @@ def eval_step(
     rng: jax.Array,
     *,
     model: Any,
-    **loss_options: Any,
+    loss_settings: Optional[LossSettings] = None,
 ) -> dict[str, jax.Array]:
     """Metric sums of one dev batch: no dropout, and a fixed `rng` for the noise, so that
     evaluations are comparable."""
-    _, metrics = model.loss_fn(params, batch, rng, deterministic=True, **loss_options)
+    _, metrics = _loss_fn(model, loss_settings)(params, batch, rng, deterministic=True)
     return metrics
 
 
@@ -222,7 +230,7 @@ def compile_steps(
     batch_sharding: NamedSharding,
     ema_decay: Optional[float] = None,
     predict: Optional[Callable[[Any, Batch], jax.Array]] = None,
-    **loss_options: Any,
+    loss_settings: Optional[LossSettings] = None,
 ) -> CompiledSteps:
     """`jit_train_step` (donates the state), `jit_eval_step` and `jit_predict` (of `predict`,
     default `model.predict_batch`) with explicit shardings: state as laid out, batches split
@@ -230,13 +238,14 @@ def compile_steps(
     (one per length bucket)."""
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
     jit_train_step = jax.jit(
-        functools.partial(train_step, model=model, tx=tx, ema_decay=ema_decay, **loss_options),
+        functools.partial(train_step, model=model, tx=tx, ema_decay=ema_decay,
+                          loss_settings=loss_settings),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, replicated),
         donate_argnums=0,
     )
     jit_eval_step = jax.jit(
-        functools.partial(eval_step, model=model, **loss_options),
+        functools.partial(eval_step, model=model, loss_settings=loss_settings),
         in_shardings=(state_shardings.params, batch_sharding, replicated),
         out_shardings=replicated,
     )
@@ -467,7 +476,7 @@ class RunSpec:
       num_steps: the optimizer step to reach (a resumed run counts the restored ones).
       checkpoint_dir: this run's checkpoints, which a rerun resumes from.
       seed: of a fresh state (parameters, dropout and noise keys).
-      loss_options: static keyword arguments of `model.loss_fn` (module docstring).
+      loss_settings: a student's loss in this phase (module docstring); None: an AR model.
       init_checkpoint: a finished run's directory to start from (its parameters and data
         position) when this run has no checkpoint of its own.
       warm_start: fresh parameters -> the parameters to start from, when this run has no
@@ -484,7 +493,7 @@ class RunSpec:
     loop: TrainLoopConfig
     checkpoint_dir: str
     seed: int
-    loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    loss_settings: Optional[LossSettings] = None
     init_checkpoint: Optional[str] = None
     warm_start: Optional[Callable[[Any], Any]] = None
     predict: Optional[Callable[[Any, Batch], jax.Array]] = None
@@ -528,7 +537,7 @@ def train(model: Any, data: TrainData, run: RunSpec, mesh: MeshConfig,
                 run=run, data=data, dev=_dev_set(data, state),
                 steps=compile_steps(model, tx, placement.state_shardings,
                                     placement.batch_sharding, ema_decay=run.optimizer.ema_decay,
-                                    predict=run.predict, **run.loss_options),
+                                    predict=run.predict, loss_settings=run.loss_settings),
                 batch_sharding=placement.batch_sharding, schedule=schedule, manager=manager,
                 stop_signal=stop_signal, is_main=jax.process_index() == 0)
             return _run(context, state, position)
@@ -794,17 +803,6 @@ def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshCon
     return train(model, data, run, mesh)
 
 
-def student_loss_options(cfg: StudentConfig, phase: int) -> dict[str, Any]:
-    """`model.loss_fn`'s static settings in the student's phase 1 (one stage) or phase 2
-    (`cfg.num_stages` unrolled), so that whatever times a phase trains the same loss."""
-    if phase == 1:
-        return dict(num_stages=1, min_noise_ratio=cfg.min_noise_ratio,
-                    draft_prefix_ratio=cfg.draft_prefix_ratio)
-    return dict(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
-                glancing_ratio=cfg.glancing_ratio, min_noise_ratio=cfg.min_noise_ratio,
-                draft_prefix_ratio=cfg.draft_prefix_ratio)
-
-
 # The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's
 # headline figure decodes with), not of a single pass.
 STUDENT_DEV_ITERATIONS = 4
@@ -825,7 +823,7 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase1 = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
-        loss_options=student_loss_options(cfg, phase=1),
+        loss_settings=student_loss_settings(cfg, phase=1),
         log_dir=log_dir and f"{log_dir}/phase1",
         deadline=_deadline(cfg.loop), warm_start=warm_start,
         predict=functools.partial(refinement.predict_refined, model,
@@ -836,6 +834,6 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     phase2 = dataclasses.replace(
         phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
         seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
-        loss_options=student_loss_options(cfg, phase=2),
+        loss_settings=student_loss_settings(cfg, phase=2),
         log_dir=log_dir and f"{log_dir}/phase2")
     return train(model, data, phase2, mesh)

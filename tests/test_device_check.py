@@ -81,6 +81,27 @@ def test_pack_holds_the_students_whole_training_set_and_it_round_trips(pack):
         config.encode.bucket_boundaries, config.student.loop.tokens_per_batch))
 
 
+def test_the_training_probe_times_each_phase_with_the_packed_loss_settings(pack, monkeypatch):
+    from model import train
+    from model.losses import student_loss_settings
+
+    directory, _, _ = pack
+    about, loaded = device_check.load_pack(directory)
+    about["student"]["section"].update(num_stages=3, remask_stutter=True, glancing_ratio=0.5,
+                                       min_noise_ratio=0.2, draft_prefix_ratio=0.25)
+    timed = []
+
+    def step(state, batch, *, model, tx, loss_settings=None):  # traced once per shape
+        timed.append(loss_settings)
+        return state, {}
+
+    monkeypatch.setattr(train, "train_step", step)
+    device_check.probe_training(directory, about, loaded, steps=1)
+    student = device_check.packed_section(about, "student")
+    assert list(dict.fromkeys(timed)) == [None, student_loss_settings(student, 1),
+                                          student_loss_settings(student, 2)]
+
+
 def test_pair_stream_batches_every_pair_once_an_epoch_and_resumes_at_any_position():
     rng = np.random.default_rng(0)
     pairs = [(rng.integers(6, 50, rng.integers(1, 9)), rng.integers(6, 50, rng.integers(1, 17)))

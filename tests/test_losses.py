@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from components.config import ModelConfig
+from components.config import ModelConfig, StudentConfig
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
 from model import losses
 from model.models import PaDIRModel
@@ -245,10 +245,8 @@ def test_glancing_trains_stage_two_on_the_tokens_not_revealed():
     assert float(jitted["weights_stage2"]) == float(metrics["weights_stage2"])
 
 
-def test_glancing_is_validated():
+def test_glancing_needs_an_rng():
     logits_fn = _toy_stage_logits(jnp.zeros(VOCAB), jnp.array(2.0))
-    with pytest.raises(ValueError, match="glancing_ratio"):
-        _glancing_loss(logits_fn, 1.5)
     with pytest.raises(ValueError, match="rng"):
         _glancing_loss(logits_fn, 0.5, rng=None)
 
@@ -260,12 +258,25 @@ def test_the_real_model_glances_under_jit_and_is_unchanged_without_it():
     batch = {"source": jnp.array([[6, 7, EOS_ID], [8, EOS_ID, 0], [9, EOS_ID, 0]]),
              "target": TARGETS}
     params = jax.jit(model.init)(jax.random.key(1), batch)
-    loss_fn = jax.jit(model.loss_fn, static_argnames=("num_stages", "glancing_ratio"))
+    loss_fn = jax.jit(model.loss_fn, static_argnames="settings")
     rng = jax.random.key(2)
-    plain, plain_metrics = loss_fn(params, batch, rng, num_stages=2)
-    off, off_metrics = loss_fn(params, batch, rng, num_stages=2, glancing_ratio=0.0)
-    assert float(off) == float(plain) and float(off_metrics["loss"]) == float(plain_metrics["loss"])
-    _, glanced = loss_fn(params, batch, rng, num_stages=2, glancing_ratio=1.0)
+    _, plain_metrics = loss_fn(params, batch, rng, settings=losses.LossSettings(num_stages=2))
+    _, glanced = loss_fn(params, batch, rng,
+                         settings=losses.LossSettings(num_stages=2, glancing_ratio=1.0))
     # An untrained model is mostly wrong: at ratio 1 it is shown most of the tokens.
     assert glanced["weights_stage2"] < plain_metrics["weights_stage2"] == NON_PAD.sum()
     assert float(glanced["loss"]) == float(plain_metrics["loss"])  # stage 1 untouched
+
+
+def test_the_students_phases_share_the_noise_and_phase_two_unrolls():
+    cfg = StudentConfig(num_stages=3, remask_stutter=True, glancing_ratio=0.5,
+                        min_noise_ratio=0.2, draft_prefix_ratio=0.25)
+    assert losses.student_loss_settings(cfg, 1) == losses.LossSettings(
+        min_noise_ratio=0.2, draft_prefix_ratio=0.25)
+    assert losses.student_loss_settings(cfg, 2) == losses.LossSettings(
+        num_stages=3, remask_stutter=True, glancing_ratio=0.5, min_noise_ratio=0.2,
+        draft_prefix_ratio=0.25)
+    # A static argument of jit: equal settings hash alike, so they share a compiled step.
+    assert len({losses.student_loss_settings(cfg, 2), losses.student_loss_settings(cfg, 2)}) == 1
+    with pytest.raises(ValueError, match="phase 1 or 2"):
+        losses.student_loss_settings(cfg, 3)

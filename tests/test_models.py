@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
+from model.losses import LossSettings
 from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
 from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, VOCAB, memorised_padir, train
@@ -67,7 +68,7 @@ def test_ar_overfits_and_decodes_its_targets(ar_trained):
 
 def test_padir_overfits_and_predicts_in_one_pass(padir_trained):
     model, params = padir_trained
-    loss_fn = jax.jit(model.loss_fn, static_argnames=("num_stages", "remask_stutter"))
+    loss_fn = jax.jit(model.loss_fn, static_argnames="settings")
     loss, metrics = loss_fn(params, BATCH, jax.random.key(2))
     assert metrics["loss"] / metrics["weights"] < 0.5
     assert metrics["length_accuracy"] == metrics["examples"] == 4
@@ -75,7 +76,8 @@ def test_padir_overfits_and_predicts_in_one_pass(padir_trained):
     prediction = jax.jit(model.predict_batch)(params, BATCH)
     np.testing.assert_array_equal(prediction, BATCH["target"])
     # Phase 2: both stages and the re-masking path run and are small on a memorised set.
-    loss, metrics = loss_fn(params, BATCH, jax.random.key(3), num_stages=2, remask_stutter=True)
+    loss, metrics = loss_fn(params, BATCH, jax.random.key(3),
+                            settings=LossSettings(num_stages=2, remask_stutter=True))
     assert {"loss_stage2", "weights_stage2", "accuracy_stage2"} <= set(metrics)
     assert metrics["loss_stage2"] / metrics["weights_stage2"] < 0.5
 

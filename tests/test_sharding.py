@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 import toy_training as toy
 from components.config import MeshConfig, ModelConfig
 from model import sharding, train
+from model.losses import LossSettings
 from model.models import PaDIRModel
 
 assert jax.device_count() == 8
@@ -69,8 +70,8 @@ for model, num_stages in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 
         placement = train.place(model, tx, mesh, devices)
         state = placement.create_state(seed=0)
         steps = train.compile_steps(model, tx, placement.state_shardings,
-                                    placement.batch_sharding, num_stages=num_stages,
-                                    remask_stutter=False)
+                                    placement.batch_sharding,
+                                    loss_settings=LossSettings(num_stages=num_stages))
         metrics = []
         for batch in batches:
             device_batch = sharding.shard_batch(batch, placement.batch_sharding)

@@ -1,12 +1,20 @@
 """benchmarks/student_recipe.py on the tiny Multi30k slice: two arms of a few seconds each."""
 
 import json
+import types
 
 import pytest
 
 from benchmarks import student_recipe
 from components import config as config_lib
+from model import train
+from model.losses import student_loss_settings
+from pipelines import training
 from tiny_experiment import ensure, tiny_config
+
+
+class Probed(Exception):
+    """Raised where the probe compiles its step: what it would time is known by then."""
 
 
 def test_plan_steps_fill_the_budget_at_each_phases_step_time():
@@ -15,6 +23,31 @@ def test_plan_steps_fill_the_budget_at_each_phases_step_time():
     assert student_recipe.plan_steps(630.0, 0.1, 0.2, 2 / 7) == (3500, 1400)
     assert student_recipe.plan_steps(600.0, 0.1, 0.2, 0.0) == (6000, 0)
     assert student_recipe.plan_steps(0.1, 0.1, 0.2, 0.5) == (2, 2)  # never fewer than 2
+
+
+def test_the_probe_times_each_phase_with_the_configs_loss_settings(monkeypatch):
+    # Every loss setting away from its default (the config glances), and a model that
+    # initialises in a second.
+    config = config_lib.load("configs/multi30k_en_de.yaml", [
+        "student.model={d_model: 32, num_heads: 2, num_encoder_layers: 1, "
+        "num_decoder_layers: 1, mlp_dim: 64}", "student.num_stages=3",
+        "student.remask_stutter=true", "student.min_noise_ratio=0.2",
+        "student.draft_prefix_ratio=0.25"])
+    assert config.student.glancing_ratio > 0
+    timed = []
+
+    def compile_steps(*args, loss_settings=None, **kwargs):
+        timed.append(loss_settings)
+        raise Probed
+
+    monkeypatch.setattr(train, "compile_steps", compile_steps)
+    monkeypatch.setattr(training, "load_tokenizer",
+                        lambda config: types.SimpleNamespace(vocab_size=64, first_real_id=6))
+    for phase in (1, 2):
+        with pytest.raises(Probed):
+            student_recipe.step_seconds(config, phase, length=4)
+    assert timed == [student_loss_settings(config.student, 1),
+                     student_loss_settings(config.student, 2)]
 
 
 @pytest.mark.slow  # 1-3 minutes on 2 cores: each arm's probe and phases compile

@@ -20,6 +20,7 @@ from components.config import (
     TrainLoopConfig,
 )
 from model import checkpoints, sharding, train
+from model.losses import LossSettings
 
 
 def test_every_fires_on_multiples_and_the_last_step():
@@ -59,8 +60,7 @@ def test_train_step_traces_once_across_steps():
     placement = train.place(model, tx, MeshConfig())
     state = placement.create_state(seed=0)
     steps = train.compile_steps(model, tx, placement.state_shardings,
-                                placement.batch_sharding, num_stages=1,
-                                remask_stutter=False)
+                                placement.batch_sharding, loss_settings=LossSettings())
     before = toy.TRACES["loss_fn"]
     for position in range(4):
         batch = sharding.shard_batch(toy.make_batch(0, position, 8),

@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from components.config import MeshConfig, OptimizerConfig, TrainLoopConfig  # noqa: E402
+from model.losses import LossSettings  # noqa: E402
 
 VOCAB = 32
 LENGTH = 8
@@ -92,9 +93,7 @@ class ToyModel:
     def logical_axes(self, batch):
         return nn.get_partition_spec(jax.eval_shape(self._variables, jax.random.key(0), batch))
 
-    def loss_fn(self, params, batch, rng, *, num_stages=1, remask_stutter=False,
-                deterministic=False):
-        del remask_stutter
+    def loss_fn(self, params, batch, rng, *, settings=LossSettings(), deterministic=False):
         TRACES["loss_fn"] += 1
         target = batch["target"]
         # Noise like PaDIR's: drop source tokens at random, so the rng matters.
@@ -107,7 +106,7 @@ class ToyModel:
         )
         weights = (target > 0).astype(jnp.float32)
         losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[..., None], -1)[..., 0]
-        total = jnp.sum(losses * weights) * num_stages
+        total = jnp.sum(losses * weights) * settings.num_stages
         count = jnp.sum(weights)
         metrics = {
             "loss": total,
