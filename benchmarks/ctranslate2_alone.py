@@ -18,7 +18,7 @@ Each sentence's figure is the median of its rounds. It prints the stage's median
 decode artifact, measured when the stage ran) and the translator's beside the one alone,
 and the ratios to it: the stage's figure is trusted when it is at most 1.15x alone.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/ctranslate2_alone.py \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.ctranslate2_alone \\
         [--config configs/demo.yaml] [--set workdir=/tmp/run] [--methods ct2_greedy] \\
         [--rounds 5]
 
@@ -39,7 +39,6 @@ import time
 from typing import Any, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 GOAL = 1.15  # the stage's median over the one alone, at most
 
 
@@ -132,7 +131,7 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
         alone, translated = [], []
         ours.translate(texts)  # warm-up, untimed
         for _ in range(rounds):
-            child = subprocess.run([sys.executable, os.path.abspath(__file__), "--alone"],
+            child = subprocess.run([sys.executable, "-m", "benchmarks.ctranslate2_alone", "--alone"],
                                    input=job, capture_output=True, text=True, check=True,
                                    cwd=ROOT)
             result = json.loads(child.stdout)

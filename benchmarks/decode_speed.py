@@ -22,7 +22,7 @@ decode time only, on whatever this machine is doing besides: compare ratios, not
 Methods whose artifact does not exist yet (e.g. the student while it trains) are skipped
 with a note.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/decode_speed.py \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.decode_speed \\
         [--config configs/multi30k_en_de.yaml] [--set k=v ...] [--max-sentences 20] \\
         [--methods ar_greedy,ar_beam4,padir_4] [--focus padir_4] [--batch-size 64] \\
         [--json report.json] [--pass-profile]
@@ -49,15 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 from apache_beam.ml.inference.base import PredictionResult
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from components import artifacts, corpus, dag, report  # noqa: E402
-from components import config as config_lib  # noqa: E402
-from components import records as records_lib  # noqa: E402
-from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID  # noqa: E402
-from model import refinement, translator, transformer  # noqa: E402
-from model.models import PaDIRModel, masked_hypothesis  # noqa: E402
-from pipelines import decode  # noqa: E402
+from components import artifacts, corpus, dag, report
+from components import config as config_lib
+from components import records as records_lib
+from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
+from model import refinement, translator, transformer
+from model.models import PaDIRModel, masked_hypothesis
+from pipelines import decode
 
 
 def parse_args(argv=None) -> argparse.Namespace:

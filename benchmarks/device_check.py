@@ -12,7 +12,7 @@ pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
      and the student's whole training set (the distilled pairs when `distill.enabled`:
      int16 ids end to end, a few MiB), in well under 60 MiB.
 
-         python benchmarks/device_check.py --pack pack/ --config configs/multi30k_en_de.yaml
+         python -m benchmarks.device_check --pack pack/ --config configs/multi30k_en_de.yaml
 
   2. `--run DIR` on the accelerator (or on the CPU, to compare): restores the packed models
      on JAX's default device and prints
@@ -35,11 +35,12 @@ pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
          limit: the training it stops is decoded as it is and reported as stopped, the
          multiples after it are not trained.
 
-         python benchmarks/device_check.py --run pack/ [--json device.json]
+         python -m benchmarks.device_check --run pack/ [--json device.json]
 
 The run path imports only JAX, Flax, Optax, Orbax, SentencePiece, sacreBLEU, NumPy (and
 CTranslate2 if it is there) and the project's model/ and components/ modules
-(tests/test_device_check.py holds it to that). It assumes one device (the packed batch
+(tests/test_device_check.py holds it to that); from the repository's root it needs no
+install, only these packages. It assumes one device (the packed batch
 sizes are not rounded to a device count).
 """
 
@@ -56,10 +57,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from components import config as config_lib  # noqa: E402
-from components.config import DecodeMethod  # noqa: E402
+from components import config as config_lib
+from components.config import DecodeMethod
 
 PADIR_4 = DecodeMethod("padir_4", "padir", iterations=4)  # also the budget line's decoding
 METHODS = (

@@ -19,7 +19,7 @@ forked). Checks, per stage:
                 in their TMPDIR.
 Checkpoints are read (orbax) only once every process has run.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/faults.py --kills 3 --seed 0 \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.faults --kills 3 --seed 0 \\
         --set data.max_train_pairs=200 --set vocab.size=400 ...   # see docs/failures.md
 
 Exit status 1 if a check failed; the scratch directory is then kept for inspection.

@@ -5,7 +5,7 @@ mixed into an artifact another run published (the goal is 0).
 
 Each trial, in a fresh workdir (with, half the time, an artifact of the key published
 before, so that both writers are forced reruns that replace it):
-  W1  a writer process (`python benchmarks/leases.py writer ...`) takes the lease, writes
+  W1  a writer process (`python -m benchmarks.leases writer ...`) takes the lease, writes
       the same file names as every writer, each holding its tag, and publishes. At a
       moment drawn from its run (often just as it publishes) it is paused (SIGSTOP, for up
       to three stale periods, then SIGCONT), killed (SIGKILL), has its lease removed by
@@ -25,7 +25,11 @@ Violations (the count printed):
 Reader anomalies (a file missing or torn while a manifest was complete) are counted apart:
 a forced rerun replaces files in place on gs:// and by two renames locally (docs/failures.md).
 
-    PADIR_DATA_ROOT=... python benchmarks/leases.py --trials 50 --seed 0 [--stale 2]
+    PADIR_DATA_ROOT=... PYTHONPATH=tests python -m benchmarks.leases --trials 50 --seed 0 \\
+        [--stale 2] [--backends gcs,local]
+
+The gs:// backend runs on the tests' emulator (tests/gcs_emulator.py, which PYTHONPATH=tests
+finds; the dev extra installs the server it starts); `--backends local` needs neither.
 """
 
 from __future__ import annotations
@@ -46,10 +50,9 @@ import time
 import uuid
 from typing import Callable, Iterator, Optional
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]  # the emulator and its proxy
+from components import artifacts
 
-from components import artifacts  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STAGE, KEY = "prepare", "k"
 FILES = 4  # the same names in every writer's output (content-keyed)
@@ -220,7 +223,7 @@ def _reader(final: str, tags: set[str], stop: threading.Event, anomalies: list[s
 
 def _spawn(env: dict[str, str], workdir: str, tag: str, body: float, stale: float) -> Writer:
     process = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "writer", workdir, tag, str(body),
+        [sys.executable, "-m", "benchmarks.leases", "writer", workdir, tag, str(body),
          str(stale)],
         cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, text=True)
@@ -309,7 +312,7 @@ def run_trial(workdir: str, env: dict[str, str], plan: Plan,
 @contextlib.contextmanager
 def backend(name: str, scratch: str) -> Iterator[tuple[Callable[[], str], dict[str, str]]]:
     """(a fresh workdir for each trial, the writers' environment) on `name`."""
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ)
     if name == "local":
         yield (lambda: os.path.join(scratch, uuid.uuid4().hex[:8], "work")), env
         return

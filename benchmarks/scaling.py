@@ -29,8 +29,8 @@ its cost is linear in the carved test set, which is a fixed share of the sample.
 sentences of the same lengths. At small sizes fixed costs (Beam start-up, compiling each
 decoder shape) weigh on the time per 1k pairs; the marginal column is the per-pair cost.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 40000 all
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/scaling.py --sizes 10000 \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.scaling --sizes 10000 40000 all
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.scaling --sizes 10000 \\
         --workdir /tmp/scaling --set distill.batch_size=32
 
 Exit status 1 if a stage failed (its log is named).

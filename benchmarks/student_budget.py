@@ -12,7 +12,7 @@ teacher's beam 4, Mask-Predict-10 within 1.0) would take if that line held. Prin
 writes the rows to `--json` after every multiple (a rerun reuses what it has) and the curve to
 `--plot`.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/student_budget.py --multiples 1,2,4 \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.student_budget --multiples 1,2,4 \\
         [--config configs/multi30k_en_de.yaml] [--set k=v ...] [--json F] [--plot F.png]
 """
 
@@ -26,11 +26,9 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import student_recipe  # noqa: E402
-from components import artifacts, dag, report  # noqa: E402
-from components import config as config_lib  # noqa: E402
+from benchmarks import student_recipe
+from components import artifacts, dag, report
+from components import config as config_lib
 
 log = logging.getLogger("student_budget")
 

@@ -22,7 +22,7 @@ Mask-Predict-10 BLEU, PaDIR-4's stutter (% of sentences) and exact-length rate (
 its output has the reference's length, in the arm's pieces). Prints a markdown table and
 writes the rows to `--json`.
 
-    PADIR_DATA_ROOT=/path/to/data python benchmarks/student_recipe.py --minutes-per-arm 15 \\
+    PADIR_DATA_ROOT=/path/to/data python -m benchmarks.student_recipe --minutes-per-arm 15 \\
         [--config configs/multi30k_en_de.yaml] [--arms base,glancing,...] [--set k=v ...]
 """
 
@@ -37,10 +37,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from components import artifacts, corpus, dag, metrics, report  # noqa: E402
-from components import config as config_lib  # noqa: E402
+from components import artifacts, corpus, dag, metrics, report
+from components import config as config_lib
 
 log = logging.getLogger("student_recipe")
 

@@ -13,8 +13,8 @@ N_enc/N_dec: encoder/decoder parameters without position tables; V x D: the tied
 projection; S' = S (+1 for PaDIR's [LENGTH] token); K: decoder passes (the unrolled stages);
 decoder attention per layer: T x T self, T x S' cross, and PaDIR's T x T positional attention.
 
-    python benchmarks/train_throughput.py [--batch 64 --length 32 --steps 6 --vocab 8000]
-    python benchmarks/train_throughput.py --config configs/multi30k_en_de.yaml --models teacher
+    python -m benchmarks.train_throughput [--batch 64 --length 32 --steps 6 --vocab 8000]
+    python -m benchmarks.train_throughput --config configs/multi30k_en_de.yaml --models teacher
 
 With `--config` (and `--set` overrides) the models, vocabulary size and batch are the
 config's: its teacher and student shapes, `vocab.size`, and `loop.tokens_per_batch` padded

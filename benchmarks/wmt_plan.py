@@ -29,8 +29,8 @@ Prints three markdown tables for benchmarks/README.md, each followed by its assu
 
 Model shapes come from `jax.eval_shape` of the models' init: no parameter is allocated.
 
-    python benchmarks/wmt_plan.py --scaling-json scaling.json
-    python benchmarks/wmt_plan.py --scaling-json scaling.json \\
+    python -m benchmarks.wmt_plan --scaling-json scaling.json
+    python -m benchmarks.wmt_plan --scaling-json scaling.json \\
         --config configs/overlays/wmt14.yaml --tpu-chips 32 \\
         --measured-distill 58.9,2,configs/multi30k_en_de.yaml
 """
@@ -46,12 +46,10 @@ from typing import Optional, Sequence
 
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks import train_throughput  # noqa: E402
-from components import config as config_lib  # noqa: E402
-from model import train  # noqa: E402
-from model.models import ARModel, PaDIRModel  # noqa: E402
+from benchmarks import train_throughput
+from components import config as config_lib
+from model import train
+from model.models import ARModel, PaDIRModel
 
 DATA_STAGES = ("prepare", "vocab", "encode")
 WMT_PAIRS = 4_500_000
