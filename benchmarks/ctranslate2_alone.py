@@ -95,7 +95,7 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
 
     from components import corpus, dag, records
     from components.tokenizer import EOS_ID
-    from model import ctranslate2_search, translator
+    from model import ctranslate2_search, trained_model, translator
     from pipelines import decode
 
     decoded = dag.require_input(config, "decode")
@@ -113,7 +113,7 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
         timed = list(corpus.read_jsonl(
             decode.output_path(decoded.uri, decode.LATENCY, split, method.name)))
         texts = [sources[record["id"]] for record in timed]
-        loaded = translator.load_cached(decoded.manifest["inputs"][method.stage])
+        loaded = trained_model.load_cached(decoded.manifest["inputs"][method.stage])
         threads = ctranslate2_search.Threads(**sweeps[method.name]["latency"]["chosen"])
         ours = translator.Translator(loaded, method, batch_size=1, boundaries=boundaries,
                                      ctranslate2_threads=threads)

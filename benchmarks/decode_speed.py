@@ -53,7 +53,7 @@ from components import artifacts, corpus, dag, report
 from components import config as config_lib
 from components import records as records_lib
 from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
-from model import refinement, translator, transformer
+from model import refinement, trained_model, translator, transformer
 from model.models import PaDIRModel, masked_hypothesis
 from pipelines import decode
 
@@ -492,7 +492,7 @@ def profile_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def _source_batch(loaded: translator.LoadedModel, text: str, boundaries: Sequence[int]
+def _source_batch(loaded: trained_model.LoadedModel, text: str, boundaries: Sequence[int]
                   ) -> tuple[np.ndarray, int]:
     """One sentence as `Translator` feeds it: (source int32[1, S], output cap)."""
     widest = boundaries[-1]
@@ -561,7 +561,7 @@ def main(argv=None) -> int:
         if not artifacts.is_complete(uri):
             print(f"skipping {name}: no complete {method.stage} artifact at {uri}")
             continue
-        loaded = translator.load_cached(uri)
+        loaded = trained_model.load_cached(uri)
         common = dict(boundaries=config.encode.bucket_boundaries, seed=config.seed)
         latency[name] = translator.Translator(loaded, method, batch_size=1, **common)
         batched[name] = translator.Translator(loaded, method, batch_size=batch_size, **common)

@@ -188,7 +188,7 @@ def pack(directory: str, config: config_lib.Config, *, train_batches: int,
       RuntimeError: the pack is over `PACK_LIMIT_BYTES`.
     """
     from components import artifacts, corpus, dag
-    from model import input_pipeline, translator
+    from model import input_pipeline, trained_model, translator
 
     os.makedirs(directory, exist_ok=True)
     stages = STAGES + (("ar_student",) if _ar_student_published(config) else ())
@@ -197,7 +197,7 @@ def pack(directory: str, config: config_lib.Config, *, train_batches: int,
                              "mesh": config_lib.to_dict(config.mesh)}
     for stage in stages:
         uri = dag.output_uri(config, stage)
-        loaded = translator.load(uri)
+        loaded = trained_model.load(uri)
         if loaded.tokenizer.vocab_size > np.iinfo(np.int16).max + 1:
             raise RuntimeError(f"{loaded.tokenizer.vocab_size} pieces: ids overflow int16")
         np.savez(os.path.join(directory, _params_file(stage)), **_flatten(loaded.params))
@@ -243,11 +243,11 @@ def pack(directory: str, config: config_lib.Config, *, train_batches: int,
 
 
 def load_pack(directory: str) -> tuple[dict, dict[str, Any]]:
-    """(models.json, stage -> model/translator.py LoadedModel on JAX's default device)."""
+    """(models.json, stage -> model/trained_model.py LoadedModel on JAX's default device)."""
     import jax
 
     from components.tokenizer import Tokenizer
-    from model import translator
+    from model import trained_model
     from model.models import ARModel, PaDIRModel
 
     with open(os.path.join(directory, MODELS)) as f:
@@ -261,7 +261,7 @@ def load_pack(directory: str) -> tuple[dict, dict[str, Any]]:
                  if stage == "student" else ARModel(config, tokenizer.vocab_size))
         with np.load(os.path.join(directory, _params_file(stage))) as flat:
             params = jax.device_put(_unflatten({name: flat[name] for name in flat.files}))
-        loaded[stage] = translator.LoadedModel(
+        loaded[stage] = trained_model.LoadedModel(
             uri=f"{os.path.abspath(directory)}#{stage}", stage=stage,
             step=about[stage]["step"], model=model, params=params, tokenizer=tokenizer,
             boundaries=tuple(about["boundaries"]))
@@ -492,7 +492,7 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
     import tempfile
 
     from components.metrics import corpus_bleu
-    from model import train, translator, warm_start
+    from model import train, trained_model, translator, warm_start
     from model.models import PaDIRModel
 
     cfg = packed_section(about, "student")
@@ -533,7 +533,7 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
                                          checkpoint_dir=checkpoint_dir, seed=about["seed"],
                                          warm_start=start)
         train_s = time.monotonic() - started
-        trained = translator.LoadedModel(
+        trained = trained_model.LoadedModel(
             uri=f"{os.path.abspath(directory)}#student-{multiple}x", stage="student",
             step=result.position, model=model, params=result.state.eval_params,
             tokenizer=tokenizer, boundaries=tuple(about["boundaries"]))

@@ -27,7 +27,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from benchmarks import student_recipe
-from components import artifacts, dag, report
+from components import artifacts, dag, training_artifact
 from components import config as config_lib
 
 log = logging.getLogger("student_budget")
@@ -63,7 +63,7 @@ def run_multiple(config_path: str, base: Sequence[str], multiple: int) -> dict[s
     if not artifacts.is_complete(dag.output_uri(config, "student")):
         stages.run_stage("student", config)
     student = artifacts.read(dag.output_uri(config, "student"))
-    curve = report.dev_curve(student.uri)
+    curve = training_artifact.dev_curve(student.uri)
     return {
         "multiple": multiple,
         "overrides": overrides,

@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from components import artifacts, corpus, dag, metrics, report
+from components import artifacts, corpus, dag, metrics, training_artifact
 from components import config as config_lib
 
 log = logging.getLogger("student_recipe")
@@ -166,13 +166,13 @@ def ensure_upstream(config: config_lib.Config) -> float:
 def dev_figures(config: config_lib.Config, student_uri: str,
                 max_sentences: Optional[int]) -> dict[str, Any]:
     """PaDIR-4 and Mask-Predict-10 on the dev set (the first `max_sentences`), batched."""
-    from model import translator
+    from model import trained_model, translator
 
     pairs = list(corpus.read_split(dag.require_input(config, "prepare").uri, "dev"))
     pairs = pairs[:max_sentences]
     sources = [pair["source"] for pair in pairs]
     references = [pair["target"] for pair in pairs]
-    loaded = translator.load(student_uri)
+    loaded = trained_model.load(student_uri)
     lang = config.data.target_lang
     figures: dict[str, Any] = {"dev_sentences": len(pairs)}
     for name, method in (
@@ -229,7 +229,7 @@ def run_arm(name: str, arm: Arm, config_path: str, base: Sequence[str], minutes:
         stages.run_stage("student", config)
     wall = time.perf_counter() - start
     student = artifacts.read(dag.output_uri(config, "student"))
-    curve = report.dev_curve(student.uri)
+    curve = training_artifact.dev_curve(student.uri)
     return {
         "arm": name,
         "overrides": list(arm.overrides),

@@ -34,8 +34,9 @@ the one it chose (the decode manifest's `ctranslate2_sweep`, given to `build_rep
 Plots (matplotlib, Agg backend, imported on use): BLEU against median latency at batch 1
 and against batched throughput, every method a point and the frontier drawn; stutter per
 method; latency against source length; one of each per test set. And the
-student's dev BLEU against its training steps (`dev_curve`, from its TensorBoard event
-files), so that a reader sees whether more training would pay.
+student's dev BLEU against its training steps (components/training_artifact.py
+`dev_curve`, given to `training_summary`), so that a reader sees whether more training
+would pay.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ import dataclasses
 import io
 import posixpath
 import statistics
-import struct
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from components import artifacts, metrics
 from components.config import DECODERS, DecodeMethod
@@ -237,7 +237,7 @@ def training_summary(manifests: Mapping[str, Mapping[str, Any]],
     """Training stage -> its manifest -> what the report says of it: the steps it trained
     (the last phase's, for the student), why it stopped early if it did (`stop_reason`:
     "time budget" when `loop.max_minutes` cut it short), its dev figures, and its
-    `dev_curve` where given (stage -> `dev_curve`'s list)."""
+    dev curve where given (stage -> components/training_artifact.py `dev_curve`)."""
     summary = {}
     for stage, manifest in manifests.items():
         dev = manifest["metrics"].get("dev") or {}
@@ -247,48 +247,6 @@ def training_summary(manifests: Mapping[str, Mapping[str, Any]],
         if dev_curves.get(stage):
             summary[stage]["dev_curve"] = [dict(point) for point in dev_curves[stage]]
     return summary
-
-
-def dev_curve(artifact_uri: str, metric: str = "bleu") -> list[dict[str, Any]]:
-    """A student artifact's dev `metric` at every evaluation of both phases, read from its
-    TensorBoard event files (`tensorboard/phase{1,2}/`, tag `dev/{metric}`, as
-    model/train.py writes them): `[{"phase": 1, "step": 500, "bleu": 12.3}, ...]` in step
-    order. `step` counts both phases (phase 2's step s is phase 1's last step + s). A step
-    logged twice (a run resumed from an earlier checkpoint) keeps its latest value; a
-    record cut short (a killed writer) ends its file. [] without event files."""
-    curve, offset = [], 0
-    for phase in (1, 2):
-        fs, root = artifacts.filesystem(artifacts.join(artifact_uri, "tensorboard", f"phase{phase}"))
-        values: dict[int, tuple[float, float]] = {}  # step -> (wall time, value)
-        last_step = 0
-        for path in sorted(fs.glob(posixpath.join(root, "events.out.tfevents*"))):
-            with fs.open(path, "rb") as f:
-                for tag, step, wall_time, value in _scalars(f.read()):
-                    last_step = max(last_step, step)
-                    if tag == f"dev/{metric}" and wall_time >= values.get(step, (-1.0,))[0]:
-                        values[step] = (wall_time, value)
-        curve += [{"phase": phase, "step": offset + step, metric: values[step][1]}
-                  for step in sorted(values)]
-        offset += last_step
-    return curve
-
-
-def _scalars(data: bytes) -> Iterator[tuple[str, int, float, float]]:
-    """(tag, step, wall time, value) of every scalar in a TensorBoard event file: TFRecords
-    (length uint64, its CRC, the record, its CRC) of `Event` protos."""
-    from tensorboardX.proto import event_pb2  # the writer's own schema; no TensorFlow
-
-    offset = 0
-    while offset + 12 <= len(data):
-        (length,) = struct.unpack_from("<Q", data, offset)
-        end = offset + 12 + length
-        if end + 4 > len(data):
-            return
-        event = event_pb2.Event.FromString(data[offset + 12:end])
-        for value in event.summary.value:
-            if value.WhichOneof("value") == "simple_value":
-                yield value.tag, event.step, event.wall_time, value.simple_value
-        offset = end + 4
 
 
 def build_report(results: Mapping[str, Sequence[MethodResult]],
@@ -562,9 +520,8 @@ def _plot_dev_curve(plt, curve: Sequence[Mapping[str, Any]], path: str) -> str:
         if points:
             axes.plot([p["step"] for p in points], [p["bleu"] for p in points], marker="o",
                       label=label)
-    first_phase2 = next((p["step"] for p in curve if p["phase"] == 2), None)
     ends = [p["step"] for p in curve if p["phase"] == 1]
-    if first_phase2 is not None and ends:
+    if ends and any(p["phase"] == 2 for p in curve):
         axes.axvline(max(ends), color="gray", linestyle="--", linewidth=1)
     axes.set(xlabel="training steps (both phases)", ylabel="dev sacreBLEU",
              title="student: dev BLEU during training")

@@ -268,9 +268,9 @@ def absolute(uri: str) -> str:
 
 
 def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: int) -> Any:
-    from model import translator  # JAX: only for this command
+    from model import trained_model, translator  # JAX: only for this command
 
-    return translator.Translator(translator.load(checkpoint), method, batch_size=batch_size)
+    return translator.Translator(trained_model.load(checkpoint), method, batch_size=batch_size)
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -316,14 +316,14 @@ def _add_export_command(commands) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from model import ctranslate2_export, ctranslate2_search, translator  # JAX: only here
+    from model import ctranslate2_export, ctranslate2_search, trained_model  # JAX: only here
 
     checkpoint = absolute(args.checkpoint)
     if artifacts.read(checkpoint).stage not in config_lib.AR_STAGES:
         raise config_lib.ConfigError(f"{args.checkpoint} is not an AR artifact: only "
                                      f"{' and '.join(config_lib.AR_STAGES)} export to "
                                      "CTranslate2")
-    loaded = translator.load(checkpoint)
+    loaded = trained_model.load(checkpoint)
     ctranslate2_export.export(loaded.model.config, loaded.params,
                               ctranslate2_search.pieces(loaded), absolute(args.output),
                               quantization=args.quantization,

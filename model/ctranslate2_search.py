@@ -161,7 +161,7 @@ def _close_workers() -> None:
 
 
 def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> str:
-    """The CTranslate2 model directory of a loaded AR model (model/translator.py
+    """The CTranslate2 model directory of a loaded AR model (model/trained_model.py
     `LoadedModel`), with the vocabulary map of `vocabulary_map` if given; exported once
     per process."""
     key = (loaded.uri, vocabulary_map is not None)

@@ -29,7 +29,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from components.config import DecodeMethod
-from model import ctranslate2_search, translator
+from model import ctranslate2_search, trained_model, translator
 from model.ctranslate2_search import Threads
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _figure(regime: str, translations: Sequence[Any]) -> float:
     return len(translations) / sum(t.latency_s for t in translations)
 
 
-def sweep(loaded: translator.LoadedModel, method: DecodeMethod, sources: Sequence[str], *,
+def sweep(loaded: trained_model.LoadedModel, method: DecodeMethod, sources: Sequence[str], *,
           batch_sizes: Mapping[str, int], boundaries: Sequence[int], cpus: int
           ) -> dict[str, Any]:
     """Times every setting of each regime on `sources` and picks the fastest.
@@ -118,7 +118,7 @@ def sweep_methods(methods: Sequence[DecodeMethod], models: Mapping[str, str],
                   boundaries: Sequence[int]) -> dict[str, dict[str, Any]]:
     """`sweep` of every CTranslate2 method of `methods` (method name -> its record), on the
     CPUs this process may run on; `models`: stage -> artifact URI."""
-    return {method.name: sweep(translator.load_cached(models[method.stage]), method, sources,
+    return {method.name: sweep(trained_model.load_cached(models[method.stage]), method, sources,
                                batch_sizes=batch_sizes, boundaries=boundaries,
                                cpus=ctranslate2_search.cpus())
             for method in methods if method.kind in ctranslate2_search.KINDS}

@@ -53,6 +53,7 @@ from components.config import (
     TeacherConfig,
     TrainLoopConfig,
 )
+from components import training_artifact
 from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
 from model import checkpoints, refinement, sharding
@@ -616,7 +617,7 @@ class _Monitor:
         summary["learning_rate"] = float(self.context.schedule(step - 1))
         summary["steps_per_s"] = n_steps / elapsed
         summary["target_tokens_per_s"] = self.interval_tokens / elapsed
-        _write(self.writer, "train", summary, step)
+        _write(self.writer, training_artifact.TRAIN, summary, step)
         postfix = {"loss": f"{summary.get('loss', summary['objective']):.3f}",
                    "tok_s": f"{summary['target_tokens_per_s']:.0f}"}
         deadline = self.context.run.deadline
@@ -627,7 +628,7 @@ class _Monitor:
 
     def log_dev(self, step: int, metrics: Mapping[str, float], seconds: float) -> None:
         self.interval_start += seconds  # evaluation is not training throughput
-        _write(self.writer, "dev", metrics, step)
+        _write(self.writer, training_artifact.DEV, metrics, step)
         if self.context.is_main:
             log.info("step %d dev %s", step, _format(metrics))
 
@@ -762,11 +763,11 @@ class _BucketEventFile:
         self.buffer = None
 
 
-def _write(writer, prefix: str, metrics: Mapping[str, float], step: int) -> None:
+def _write(writer, group: str, metrics: Mapping[str, float], step: int) -> None:
     if writer is None:
         return
     for name, value in metrics.items():
-        writer.add_scalar(f"{prefix}/{name}", value, step)
+        writer.add_scalar(training_artifact.tag(group, name), value, step)
     writer.flush()
 
 
@@ -812,7 +813,8 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
                   checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
                   warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
     """The PaDIR student: phase 1 (single-stage loss), then phase 2 (`cfg.num_stages`
-    unrolled stages) initialised from phase 1's last step, in `<checkpoint_dir>/phase{1,2}`.
+    unrolled stages) initialised from phase 1's last step, each in its folder of
+    `checkpoint_dir` and `log_dir` (components/training_artifact.py `phase`).
 
     Each phase resumes on its own; a finished phase 1 is not retrained. Phase 2 has its own
     seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
@@ -820,20 +822,21 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     `cfg.label_smoothing`. `warm_start` (RunSpec) starts phase 1, e.g. from the teacher.
     Dev BLEU is of `refinement.predict_refined` at STUDENT_DEV_ITERATIONS passes.
     """
-    phase1 = RunSpec(
+    first = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
-        checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase1", seed=seed,
+        checkpoint_dir=training_artifact.phase(checkpoint_dir, 1), seed=seed,
         loss_settings=student_loss_settings(cfg, phase=1),
-        log_dir=log_dir and f"{log_dir}/phase1",
+        log_dir=log_dir and training_artifact.phase(log_dir, 1),
         deadline=_deadline(cfg.loop), warm_start=warm_start,
         predict=functools.partial(refinement.predict_refined, model,
                                   max_iterations=STUDENT_DEV_ITERATIONS))
-    result = train(model, data, phase1, mesh)
+    result = train(model, data, first, mesh)
     if not result.completed or cfg.phase2_steps == 0:
         return result
-    phase2 = dataclasses.replace(
-        phase1, num_steps=cfg.phase2_steps, checkpoint_dir=f"{checkpoint_dir.rstrip('/')}/phase2",
-        seed=seed + 1, init_checkpoint=phase1.checkpoint_dir, warm_start=None,
+    second = dataclasses.replace(
+        first, num_steps=cfg.phase2_steps,
+        checkpoint_dir=training_artifact.phase(checkpoint_dir, 2),
+        seed=seed + 1, init_checkpoint=first.checkpoint_dir, warm_start=None,
         loss_settings=student_loss_settings(cfg, phase=2),
-        log_dir=log_dir and f"{log_dir}/phase2")
-    return train(model, data, phase2, mesh)
+        log_dir=log_dir and training_artifact.phase(log_dir, 2))
+    return train(model, data, second, mesh)

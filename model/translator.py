@@ -1,16 +1,13 @@
 """Translating text with a published training artifact: restore once, decode jitted.
 
-    loaded = load("work/multi30k_en_de/student/<key>")          # LoadedModel (params on device)
+    loaded = trained_model.load("work/multi30k_en_de/student/<key>")   # LoadedModel
     translator = Translator(loaded, DecodeMethod("padir_4", "padir", iterations=4),
                             batch_size=1, boundaries=loaded.boundaries)
     [t] = translator.translate(["A dog runs."])              # Translation
     t.hypothesis, t.score, t.passes, t.latency_s
 
-`load` reads everything from the artifact itself: the model config from its manifest's
-config section, the vocabulary from the `vocab` artifact its manifest names as an input,
-the length buckets from the `encode` section of its config.yaml, and the parameters of the
-checkpoint the training stage would decode with (the best by the run's `best_metric`; for
-the student, of its last phase). `load_cached` restores each artifact once per process.
+The artifact is restored by model/trained_model.py (`load`, or `load_cached`: once per
+process).
 
 Static shapes. A batch of sentences is tokenised (pieces + EOS; a source longer than the
 widest bucket is cut to it, EOS kept, and flagged `truncated`) and padded to the smallest
@@ -71,115 +68,33 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
-import fsspec
 import jax
 import numpy as np
-import yaml
 
 from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
-from components.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from model import checkpoints, ctranslate2_search, draft_verify, refinement, shortlist, train
-from model.models import ARModel, PaDIRModel
+from components.tokenizer import EOS_ID, PAD_ID
+from model import ctranslate2_search, draft_verify, refinement, shortlist, trained_model
+from model.trained_model import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# Checkpoint restores in this process, by artifact URI (tests assert "once per process");
-# traces of the encoding call, by (artifact URI, method name, batch size), one per source
+# Traces of the encoding call, by (artifact URI, method name, batch size), one per source
 # bucket; traces of the search, by (artifact URI, method name, batch size, width, columns
 # scored: the shortlist's size or V).
-RESTORES: collections.Counter = collections.Counter()
 TRACES: collections.Counter = collections.Counter()
 WIDTH_TRACES: collections.Counter = collections.Counter()
-_CACHE: dict[tuple[str, str], "LoadedModel"] = {}
-_CACHE_LOCK = threading.Lock()
 _SHORTLISTS: dict[str, shortlist.Shortlist] = {}
+_SHORTLISTS_LOCK = threading.Lock()
 TRAINING_DATA = ("encode", "encode_distilled")  # the manifest inputs a model trained on
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoadedModel:
-    """A training artifact restored for decoding."""
-
-    uri: str
-    stage: str  # "teacher" or "ar_student" (ARModel), or "student" (PaDIRModel)
-    step: int
-    model: Union[ARModel, PaDIRModel]
-    params: Any
-    tokenizer: Tokenizer
-    boundaries: tuple[int, ...]  # the encode stage's length buckets
-
-
-def checkpoint_dir(artifact: artifacts.Artifact) -> str:
-    """The checkpoints a published training artifact decodes with: the student's
-    last phase that trained (a time budget may end training within phase 1)."""
-    if artifact.stage == "student":
-        phase2 = artifact.path("checkpoints", "phase2")
-        fs, path = artifacts.filesystem(phase2)
-        return phase2 if fs.exists(path) else artifact.path("checkpoints", "phase1")
-    return artifact.path("checkpoints")
-
-
-def restore(model: Any, directory: str, best_metric: Optional[str]) -> tuple[Any, int]:
-    """A model's parameters from a checkpoint directory: the best step by `best_metric`
-    (else the latest), on the default device. Returns (params, step)."""
-    abstract = jax.eval_shape(model.init, jax.random.key(0), train.example_batch(model))
-    params, _, step = checkpoints.restore_params(directory, abstract, best_metric=best_metric)
-    log.info("restored step %d of %s", step, directory)
-    return params, step
-
-
-def _read_text(uri: str) -> str:
-    with fsspec.open(uri, "r") as f:
-        return f.read()
-
-
-def load(uri: str) -> LoadedModel:
-    """Restores a published training artifact, `teacher`, `ar_student` or `student` (see the
-    module docstring).
-
-    Raises:
-      artifacts.IncompleteArtifactError: `uri` has no manifest.
-      config_lib.ConfigError: it is not a training artifact.
-    """
-    artifact = artifacts.read(uri)
-    if artifact.stage not in config_lib.TRAINING_STAGES:
-        raise config_lib.ConfigError(f"{uri} is a {artifact.stage!r} artifact; decoding needs "
-                                     f"one of {config_lib.TRAINING_STAGES}")
-    section = artifact.manifest["config"][artifact.stage]
-    model_config = config_lib.from_dict(config_lib.ModelConfig, section["model"],
-                                        f"{artifact.stage}.model")
-    tokenizer = Tokenizer.for_artifact(artifact)
-    if artifact.stage in config_lib.AR_STAGES:
-        model = ARModel(model_config, tokenizer.vocab_size)
-    else:
-        model = PaDIRModel(model_config, tokenizer.vocab_size, tokenizer.first_real_id)
-    resolved = yaml.safe_load(_read_text(artifact.path(artifacts.CONFIG)))
-    boundaries = config_lib.from_dict(config_lib.EncodeConfig, resolved["encode"],
-                                      "encode").bucket_boundaries
-    params, step = restore(model, checkpoint_dir(artifact), section["loop"]["best_metric"])
-    RESTORES[uri] += 1
-    return LoadedModel(uri=uri, stage=artifact.stage, step=step, model=model, params=params,
-                       tokenizer=tokenizer, boundaries=tuple(boundaries))
-
-
-def load_cached(uri: str) -> LoadedModel:
-    """`load`, once per process and published artifact (a rerun stage republishes under
-    the same URI with a new manifest, and is restored again)."""
-    manifest = artifacts.read(uri).manifest
-    with _CACHE_LOCK:
-        key = (uri, f"{manifest['created']} {manifest['wall_seconds']}")
-        if key not in _CACHE:
-            _CACHE[key] = load(uri)
-        return _CACHE[key]
 
 
 def shortlist_table(loaded: LoadedModel) -> shortlist.Shortlist:
     """The shortlist table of a model's own training pairs, built once per process."""
-    with _CACHE_LOCK:
+    with _SHORTLISTS_LOCK:
         if loaded.uri not in _SHORTLISTS:
             inputs = artifacts.read(loaded.uri).manifest["inputs"]
             [data] = [uri for name, uri in inputs.items() if name in TRAINING_DATA]
@@ -380,7 +295,7 @@ class Translator:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._model, self._params = loaded.model, loaded.params
         if method.rescorer:
-            rescorer = rescorer or load_cached(upstream(loaded.uri, method.rescorer))
+            rescorer = rescorer or trained_model.load_cached(upstream(loaded.uri, method.rescorer))
             _check_rescorer(loaded, method, rescorer)
             self._model = (loaded.model, rescorer.model)
             self._params = (loaded.params, rescorer.params)

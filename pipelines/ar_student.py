@@ -7,8 +7,9 @@ Contract:
           `encode_distilled`, when `distill.enabled`, else `encode`); the `vocab` and
           `prepare` artifacts; the `teacher` artifact when `ar_student.init_from_teacher`.
   writes: `<workdir>/ar_student/<key>/` laid out as the teacher's (`checkpoints/`,
-          `tensorboard/`, a manifest with the final dev metrics, greedy and beam 4 on the
-          best checkpoint), so that every AR decoding kind reads it (`model: ar_student`).
+          `tensorboard/`: components/training_artifact.py; a manifest with the final dev
+          metrics, greedy and beam 4 on the best checkpoint), so that every AR decoding
+          kind reads it (`model: ar_student`).
 
 Training, resuming and publishing work as pipelines/training.py says.
 
@@ -17,7 +18,7 @@ Training, resuming and publishing work as pipelines/training.py says.
 
 from __future__ import annotations
 
-from components import artifacts
+from components import artifacts, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import train
@@ -30,14 +31,14 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
 
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         model = training.ar_student_model(config, tokenizer)
+        checkpoint_dir = training_artifact.checkpoints(pending.tmp_uri)
         result = train.train_teacher(
-            model, data, cfg, config.mesh, checkpoint_dir=pending.path("checkpoints"),
-            seed=config.seed, log_dir=pending.path("tensorboard"),
+            model, data, cfg, config.mesh, checkpoint_dir=checkpoint_dir,
+            seed=config.seed, log_dir=training_artifact.tensorboard(pending.tmp_uri),
             warm_start=training.teacher_warm_start(config, "ar_student"))
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = teacher.final_dev_bleu(
-                model, pending.path("checkpoints"), cfg.loop.best_metric, data, result,
-                stage="ar_student")
+                model, checkpoint_dir, cfg.loop.best_metric, data, result, stage="ar_student")
         return result
 
     return training.publish(config, "ar_student", train_fn)

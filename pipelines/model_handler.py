@@ -17,7 +17,7 @@ greedy), `passes`, `source_tokens`, `truncated`, `latency_s`, `batch_seconds`,
 Loading. `load_model` runs once per RunInference transform and worker process (Beam's
 `shared.Shared` in the RunInference DoFn; the model is not shared across processes, since
 JAX owns a process's devices). The checkpoint itself is restored once per process and
-artifact however many transforms decode with it (`model.translator.load_cached`), and each
+artifact however many transforms decode with it (`model.trained_model.load_cached`), and each
 load builds the method's jitted decoder, which compiles once per batch shape it meets.
 JAX is imported by `load_model`, in the worker, never when the pipeline is constructed.
 
@@ -89,13 +89,13 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
 
     def load_model(self):
         """The checkpoint (restored once per process) and the method's jitted decoder."""
-        from model import ctranslate2_search, translator  # JAX starts here, in the worker
+        from model import ctranslate2_search, trained_model, translator  # JAX starts here
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
-        rescorer = (translator.load_cached(self._rescorer_uri) if self._rescorer_uri
+        rescorer = (trained_model.load_cached(self._rescorer_uri) if self._rescorer_uri
                     else None)
         return translator.Translator(
-            translator.load_cached(self._artifact_uri), self._method,
+            trained_model.load_cached(self._artifact_uri), self._method,
             batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed,
             rescorer=rescorer,
             ctranslate2_threads=(ctranslate2_search.Threads(**self._ctranslate2_threads)

@@ -20,7 +20,8 @@ Contract:
             report.md     the same as tables, with the plots;
             plots/{test_set}/{bleu_vs_latency,stutter,latency_vs_length}.png
             plots/student_dev_bleu.png  the student's dev BLEU at each evaluation (its
-                          TensorBoard event files), when it has any
+                          TensorBoard event files: `training_artifact.dev_curve`), when
+                          it has any
             manifest.json headline figures per test set and method.
   What each figure means: components/report.py and components/metrics.py.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 
-from components import artifacts, corpus, dag, report
+from components import artifacts, corpus, dag, report, training_artifact
 from components import config as config_lib
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     models = {stage: uri for stage, uri in decoded.manifest["inputs"].items()
               if stage in config_lib.TRAINING_STAGES}
     training = {stage: artifacts.read(uri).manifest for stage, uri in models.items()}
-    curves = {"student": report.dev_curve(models["student"])} if "student" in models else {}
+    curves = ({"student": training_artifact.dev_curve(models["student"])}
+              if "student" in models else {})
     content = report.build_report(results, report.training_summary(training, curves),
                                   facts["ctranslate2_sweep"])
     with artifacts.write(config.workdir, "score", dag.stage_key(config, "score"),

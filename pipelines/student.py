@@ -4,8 +4,9 @@ Contract:
   reads:  the student's encode artifact, `dag.student_data(config)` (the distilled pairs,
           `encode_distilled`, when `distill.enabled`, else `encode`); the `vocab` and `prepare`
           artifacts; the `teacher` artifact when `student.init_from_teacher`.
-  writes: `<workdir>/student/<key>/` with `checkpoints/phase1` and `checkpoints/phase2`
-          (orbax), `tensorboard/`, and a manifest with the final dev metrics.
+  writes: `<workdir>/student/<key>/` with the checkpoints (orbax) and TensorBoard files of
+          each phase (components/training_artifact.py), and a manifest with the final dev
+          metrics.
 
 Training, resuming and publishing work as pipelines/training.py says.
 
@@ -14,7 +15,7 @@ Training, resuming and publishing work as pipelines/training.py says.
 
 from __future__ import annotations
 
-from components import artifacts
+from components import artifacts, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import train
@@ -28,8 +29,8 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         return train.train_student(
             training.student_model(config, tokenizer), data, config.student, config.mesh,
-            checkpoint_dir=pending.path("checkpoints"), seed=config.seed,
-            log_dir=pending.path("tensorboard"),
+            checkpoint_dir=training_artifact.checkpoints(pending.tmp_uri), seed=config.seed,
+            log_dir=training_artifact.tensorboard(pending.tmp_uri),
             warm_start=training.teacher_warm_start(config, "student"))
 
     return training.publish(config, "student", train_fn)

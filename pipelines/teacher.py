@@ -3,8 +3,9 @@
 Contract:
   reads:  the `encode` artifact (TFRecord shards of `train` and `dev`), the `vocab` artifact
           (`spm.model`) and the `prepare` artifact (raw dev references for BLEU).
-  writes: `<workdir>/teacher/<key>/` with `checkpoints/` (orbax), `tensorboard/`, and a
-          manifest with the final dev metrics (greedy and beam 4 on the best checkpoint).
+  writes: `<workdir>/teacher/<key>/` with `checkpoints/` (orbax), `tensorboard/`
+          (components/training_artifact.py), and a manifest with the final dev metrics
+          (greedy and beam 4 on the best checkpoint).
 
 Training, resuming and publishing work as pipelines/training.py says.
 
@@ -21,10 +22,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from components import artifacts, metrics
+from components import artifacts, metrics, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import train, translator
+from model import train, trained_model
 from model.models import ARModel
 from pipelines import training
 
@@ -38,13 +39,13 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
 
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
         model = training.teacher_model(config, tokenizer)
+        checkpoint_dir = training_artifact.checkpoints(pending.tmp_uri)
         result = train.train_teacher(
-            model, data, config.teacher, config.mesh, checkpoint_dir=pending.path("checkpoints"),
-            seed=config.seed, log_dir=pending.path("tensorboard"))
+            model, data, config.teacher, config.mesh, checkpoint_dir=checkpoint_dir,
+            seed=config.seed, log_dir=training_artifact.tensorboard(pending.tmp_uri))
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = final_dev_bleu(
-                model, pending.path("checkpoints"), config.teacher.loop.best_metric, data,
-                result)
+                model, checkpoint_dir, config.teacher.loop.best_metric, data, result)
         return result
 
     return training.publish(config, "teacher", train_fn)
@@ -60,7 +61,7 @@ def final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
     device; the slices are gathered, so every process scores the whole dev set. Greedy
     decoding is what the dev evaluations score, and the training run evaluated its last
     step: when that step is the best, its greedy BLEU is taken, not decoded again."""
-    params, step = translator.restore(model, checkpoint_dir, best_metric)
+    params, step = trained_model.restore(model, checkpoint_dir, best_metric)
     last = result.dev_metrics or {}
     reuse_greedy = step == int(result.state.step) and {"bleu", "bleu_tok_lc"} <= set(last)
     searches = {} if reuse_greedy else {"greedy": jax.jit(model.predict_batch)}

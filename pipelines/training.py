@@ -28,7 +28,7 @@ import jax
 from components import artifacts, corpus, dag
 from components import config as config_lib
 from components.tokenizer import Tokenizer
-from model import input_pipeline, sharding, train, translator, warm_start
+from model import input_pipeline, sharding, train, trained_model, warm_start
 from model.models import ARModel, PaDIRModel
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def teacher_warm_start(config: config_lib.Config, stage: str):
     teacher_uri = dag.require_input(config, "teacher").uri
 
     def start(params):
-        return warm_start.from_teacher(params, translator.load(teacher_uri).params)[0]
+        return warm_start.from_teacher(params, trained_model.load(teacher_uri).params)[0]
 
     return start
 

@@ -25,7 +25,7 @@ from components import config as config_lib
 from components.config import DecodeMethod
 from flows import cli
 from flows.stages import run_stage
-from model import train, translator
+from model import train, trained_model, translator
 from pipelines import decode, training
 from pipelines import score as score_stage
 from tiny_experiment import TINY_MODEL, ensure, publish_untrained, tiny_config
@@ -70,7 +70,7 @@ def test_it_starts_from_the_teacher_where_shapes_agree(config):
     assert (model.config.num_encoder_layers, model.config.num_decoder_layers) == (2, 1)
     fresh = model.init(jax.random.key(0), train.example_batch(model))
     started = training.teacher_warm_start(config, "ar_student")(fresh)
-    teacher = translator.load(dag.output_uri(config, "teacher")).params
+    teacher = trained_model.load(dag.output_uri(config, "teacher")).params
     jax.tree.map(np.testing.assert_array_equal, started["token_embedding"],
                  teacher["token_embedding"])
     for stack in ("encoder", "decoder"):
@@ -119,7 +119,7 @@ def test_the_decode_stage_decodes_the_ar_kinds_with_the_ar_student(config, monke
     assert decoded.manifest["inputs"] == {"prepare": dag.output_uri(config, "prepare"),
                                           "ar_student": uri}
     assert [m["stage"] for m in decoded.manifest["metrics"]["methods"]] == ["ar_student"] * 2
-    loaded = translator.load_cached(uri)
+    loaded = trained_model.load_cached(uri)
     sources = {pair["id"]: pair["source"] for pair in
                corpus.read_split(dag.output_uri(config, "prepare"), "test2016")}
     timed = {}
@@ -132,7 +132,7 @@ def test_the_decode_stage_decodes_the_ar_kinds_with_the_ar_student(config, monke
         assert [r["hypothesis"] for r in records] == [
             t.hypothesis for t in ours.translate([sources[r["id"]] for r in records])]
     with pytest.raises(config_lib.ConfigError, match="decodes with a 'ar_student' artifact"):
-        translator.Translator(translator.load_cached(dag.output_uri(config, "teacher")),
+        translator.Translator(trained_model.load_cached(dag.output_uri(config, "teacher")),
                               DecodeMethod(**METHODS[0]), batch_size=1)
     # `padir translate` decodes an AR student's artifact with it; `padir export` writes it.
     first = timed["ar_student_greedy"][0]

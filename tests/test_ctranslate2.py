@@ -135,9 +135,9 @@ SENTENCES = ["Ein Hund läuft im Park.", "Zwei Männer spielen Fußball auf eine
 
 
 def test_translator_ct2_kinds_give_our_greedy_hypotheses(published):
-    from model import translator
+    from model import trained_model, translator
 
-    loaded = translator.load(published.uri)
+    loaded = trained_model.load(published.uri)
     ours = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=2)
     ct2 = translator.Translator(loaded, DecodeMethod("c", "ct2_greedy"), batch_size=2)
     expected, got = ours.translate(SENTENCES), ct2.translate(SENTENCES)
@@ -231,9 +231,9 @@ def test_the_thread_grids_stay_within_the_cpus():
 
 
 def test_the_sweep_times_every_setting_and_records_the_fastest(published):
-    from model import ctranslate2_sweep, translator
+    from model import ctranslate2_sweep, trained_model
 
-    loaded = translator.load(published.uri)
+    loaded = trained_model.load(published.uri)
     record = ctranslate2_sweep.sweep(
         loaded, DecodeMethod("c", "ct2_greedy"), SENTENCES,
         batch_sizes={"latency": 1, "batched": 2}, boundaries=loaded.boundaries, cpus=2)
@@ -275,9 +275,9 @@ def test_a_vocabulary_map_keeps_each_sentence_to_its_shortlist(tmp_path, monkeyp
 
 
 def test_a_shortlist_ct2_translator_decodes_with_the_vocabulary_map(published, monkeypatch):
-    from model import shortlist, translator
+    from model import shortlist, trained_model, translator
 
-    loaded = translator.load(published.uri)
+    loaded = trained_model.load(published.uri)
     ids = [np.asarray(row + [EOS_ID]) for row in loaded.tokenizer.encode(SENTENCES)]
     table = shortlist.build(zip(ids, ids), loaded.tokenizer.vocab_size, frequent=4,
                             per_source=2)

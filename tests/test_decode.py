@@ -29,7 +29,7 @@ from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import ctranslate2_search, input_pipeline, shortlist, translator
+from model import ctranslate2_search, input_pipeline, shortlist, trained_model, translator
 from pipelines import decode
 from pipelines import model_handler
 from tiny_experiment import ensure, publish_untrained, tiny_config
@@ -72,7 +72,7 @@ def _uri(config, stage: str) -> str:
 def _sentences(config, count: int, lengths: range) -> list[str]:
     """`count` distinct word prefixes of test sentences whose token count (with EOS) is in
     `lengths`, so that they fall in one length bucket and one output width."""
-    tokenizer = translator.load_cached(_uri(config, "student")).tokenizer
+    tokenizer = trained_model.load_cached(_uri(config, "student")).tokenizer
     found = []
     for pair in corpus.read_split(dag.output_uri(config, "prepare"), "test2016"):
         words = pair["source"].split()
@@ -123,7 +123,7 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
                                                      boundaries=BUCKETS)
     load_key, trace_key = (uri, "padir_2", 2), (uri, "padir_2", 2)
     loads, traces = model_handler.LOADS[load_key], translator.TRACES[trace_key]
-    restores = translator.RESTORES[uri]
+    restores = trained_model.RESTORES[uri]
     with test_pipeline.TestPipeline(runner="FnApiRunner") as p:
         results = (p
                    | beam.Create(list(enumerate(sources)))
@@ -133,7 +133,7 @@ def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
         assert_that(results, equal_to([(i, s, True) for i, s in enumerate(sources)]))
     assert model_handler.LOADS[load_key] - loads == 1  # 5+ batches, one load
     assert translator.TRACES[trace_key] - traces == 1  # lengths 9..16: one shape
-    assert translator.RESTORES[uri] - restores <= 1 and translator.RESTORES[uri] >= 1
+    assert trained_model.RESTORES[uri] - restores <= 1 and trained_model.RESTORES[uri] >= 1
 
 
 def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
@@ -152,7 +152,7 @@ def test_handler_logs_progress_with_an_eta(config, monkeypatch, caplog):
 
 
 def test_translator_pads_to_buckets_and_times_each_batch(config):
-    loaded = translator.load_cached(_uri(config, "teacher"))
+    loaded = trained_model.load_cached(_uri(config, "teacher"))
     decoder = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=3,
                                     boundaries=BUCKETS)
     key = (loaded.uri, "g", 3)
@@ -171,8 +171,8 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
 
 
 def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
-    student = translator.load_cached(_uri(config, "student"))
-    teacher = translator.load_cached(_uri(config, "teacher"))
+    student = trained_model.load_cached(_uri(config, "student"))
+    teacher = trained_model.load_cached(_uri(config, "teacher"))
     sentences = _sentences(config, 3, range(2, 9))
     one = DecodeMethod("r", "padir_rescored", iterations=2)  # one candidate: padir's output
     rescored = translator.Translator(student, one, batch_size=2, boundaries=BUCKETS,
@@ -190,8 +190,8 @@ def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
 
 
 def test_draft_and_verify_translates_as_the_teachers_greedy_search(config):
-    student = translator.load_cached(_uri(config, "student"))
-    teacher = translator.load_cached(_uri(config, "teacher"))
+    student = trained_model.load_cached(_uri(config, "student"))
+    teacher = trained_model.load_cached(_uri(config, "teacher"))
     sentences = _sentences(config, 3, range(2, 9)) + _sentences(config, 1, range(17, 33))
     verified = translator.Translator(
         student, DecodeMethod("dv", "draft_verify", iterations=1), batch_size=2,
@@ -235,8 +235,8 @@ def test_translate_rescores_with_the_students_own_teacher(config, tiny_workdir, 
                      "--iterations", "2", "--length-offsets=-1,0,1", "--batch-size", "2"]) == 0
     method = DecodeMethod("r", "padir_rescored", iterations=2, length_offsets=(-1, 0, 1))
     expected = translator.Translator(
-        translator.load_cached(student), method, batch_size=2,
-        rescorer=translator.load_cached(_uri(config, "teacher"))).translate(sentences)
+        trained_model.load_cached(student), method, batch_size=2,
+        rescorer=trained_model.load_cached(_uri(config, "teacher"))).translate(sentences)
     assert capsys.readouterr().out.split("\n")[:2] == [t.hypothesis for t in expected]
 
 
@@ -246,7 +246,7 @@ def test_a_shortlist_translator_decodes_over_its_batchs_selection(config, monkey
     monkeypatch.setattr(shortlist, "SIZE_STEP", 8)  # the tiny vocabulary has 400 pieces
     monkeypatch.setattr(shortlist, "build", functools.partial(shortlist.build, frequent=8))
     monkeypatch.setattr(translator, "_SHORTLISTS", {})
-    loaded = translator.load_cached(_uri(config, "teacher"))
+    loaded = trained_model.load_cached(_uri(config, "teacher"))
     # The prepared pairs, tokenised, stand in for the encode artifact (not built in this
     # shared workdir: test_distill checks that the student refuses to train without it).
     read = []
@@ -337,7 +337,7 @@ def test_each_pass_of_a_ctranslate2_method_gets_its_regimes_threads(config, monk
                ("ct2", "batched"): {"intra_threads": 1, "inter_threads": 2}}
     decode.build(beam.Pipeline(), config, prepared_uri=_uri(config, "prepare"),
                  checkpoints={stage: _uri(config, stage) for stage in config.decode.models},
-                 tokenizer=translator.load_cached(_uri(config, "teacher")).tokenizer,
+                 tokenizer=trained_model.load_cached(_uri(config, "teacher")).tokenizer,
                  output_uri=str(tmp_path), ctranslate2_threads=threads)
     assert [m for m in made if m[0] == "ct2"] == [("ct2", 4, threads["ct2", "batched"]),
                                                   ("ct2", 1, threads["ct2", "latency"])]
@@ -453,27 +453,10 @@ def test_a_training_run_cut_short_by_its_time_budget_is_loud_in_the_report():
     assert "|---|---|---:|---:|---:|" in markdown  # names left, figures right
 
 
-def test_the_students_dev_curve_is_read_from_its_event_files_and_plotted(tmp_path):
-    from tensorboardX import SummaryWriter
-
-    def log(phase, points, suffix):
-        writer = SummaryWriter(str(tmp_path / "tensorboard" / f"phase{phase}"),
-                               filename_suffix=suffix)
-        for step, bleu in points:
-            writer.add_scalar("train/loss", 1.0, step)
-            writer.add_scalar("dev/bleu", bleu, step)
-        writer.close()
-
-    log(1, [(500, 5.0), (1000, 9.0)], ".a")
-    log(2, [(200, 10.0), (400, 12.0)], ".a")
-    log(2, [(400, 12.5)], ".b")  # resumed after a crash past its last checkpoint: later wins
-    with open(tmp_path / "tensorboard" / "phase2" / "events.out.tfevents.9.cut", "wb") as f:
-        f.write(b"\x40\x00\x00")  # a record cut short by a killed writer
-    curve = report.dev_curve(str(tmp_path))
-    assert curve == [{"phase": 1, "step": 500, "bleu": 5.0}, {"phase": 1, "step": 1000, "bleu": 9.0},
-                     {"phase": 2, "step": 1200, "bleu": 10.0},
-                     {"phase": 2, "step": 1400, "bleu": 12.5}]
-    assert report.dev_curve(str(tmp_path / "nothing")) == []
+def test_the_students_dev_curve_is_reported_and_plotted(tmp_path):
+    """A curve as components/training_artifact.py `dev_curve` reads it."""
+    curve = [{"phase": 1, "step": 500, "bleu": 5.0}, {"phase": 1, "step": 1000, "bleu": 9.0},
+             {"phase": 2, "step": 1200, "bleu": 10.0}, {"phase": 2, "step": 1400, "bleu": 12.5}]
     manifests = {"student": {"counts": {"steps": 400}, "metrics": {"stop_reason": None,
                                                                    "dev": {"bleu": 12.5}}}}
     content = report.build_report({}, report.training_summary(manifests, {"student": curve}))
@@ -551,7 +534,7 @@ def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch,
                      "--iterations", "2", "--batch-size", "2"]) == 0
     lines = capsys.readouterr().out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
-    decoder = translator.Translator(translator.load_cached(uri),
+    decoder = translator.Translator(trained_model.load_cached(uri),
                                     DecodeMethod("padir", "padir", iterations=2),
                                     batch_size=2)
     # The command decodes each line alone here (a blank line fills its batch of 2).

@@ -261,11 +261,11 @@ def test_distill_is_a_padir_stage(config):
 def _translate(config, settings: DistillConfig, count: int = 8):
     """The teacher's translations of the first `count` train sources: (loaded, sources,
     translation records)."""
-    from model import translator
+    from model import trained_model, translator
 
     sources = [pair["source"] for pair in corpus.read_split(
         dag.output_uri(config, "prepare"), "train")][:count]
-    loaded = translator.load_cached(dag.output_uri(config, "teacher"))
+    loaded = trained_model.load_cached(dag.output_uri(config, "teacher"))
     decoder = translator.Translator(loaded, distill.method(settings), batch_size=4,
                                     boundaries=config.encode.bucket_boundaries)
     return loaded, sources, [t.as_record() for t in decoder.translate(sources)]

@@ -88,12 +88,12 @@ def test_training_stages_take_no_beam_flags(config):
 
 
 def test_the_students_dev_curve_covers_both_phases(config):
-    """What the report plots (components/report.py `dev_curve`), from the real stage's
-    TensorBoard files: each phase evaluates at its last step (2 of 2, eval_every 3)."""
-    from components import report
+    """What the report plots (components/training_artifact.py `dev_curve`), from the real
+    stage's TensorBoard files: each phase evaluates at its last step (2 of 2, eval_every 3)."""
+    from components import training_artifact
 
     ensure(config, "prepare", "vocab", "encode", "teacher", "student")
     student = artifacts.read(dag.output_uri(config, "student"))
-    curve = report.dev_curve(student.uri)
+    curve = training_artifact.dev_curve(student.uri)
     assert [(point["phase"], point["step"]) for point in curve] == [(1, 2), (2, 4)]
     assert curve[-1]["bleu"] == pytest.approx(student.manifest["metrics"]["dev"]["bleu"])

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from components import artifacts, dag
+from components import artifacts, dag, training_artifact
 from components import config as config_lib
 
 DATA_ROOT = os.environ.get("PADIR_DATA_ROOT", "")
@@ -83,8 +83,9 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
     with artifacts.write(config.workdir, stage, dag.stage_key(config, stage),
                          config=dag.section_values(config, stage),
                          config_yaml=config_lib.dump(config), inputs=inputs) as out:
+        run = training_artifact.checkpoints(out.tmp_uri)
         manager = checkpoints.open_manager(
-            out.path("checkpoints", *(("phase2",) if stage == "student" else ())),
+            training_artifact.phase(run, 2) if stage == "student" else run,
             best_metric=config.section(stage).loop.best_metric)
         state = train.TrainState(step=jnp.array(1, jnp.int32), params=params,
                                  opt_state={"count": jnp.zeros((), jnp.int32)},
