@@ -65,7 +65,6 @@ ARMS = {
     "warmup_400": Arm(("student.optimizer.warmup_steps=400",)),
     "dropout_0": Arm(("student.model.dropout_rate=0.0",)),
     "dropout_0.3": Arm(("student.model.dropout_rate=0.3",)),
-    "noise_min_0.5": Arm(("student.min_noise_ratio=0.5",)),
     "decoder_2": Arm(("student.model.num_decoder_layers=2",)),
     "decoder_6": Arm(("student.model.num_decoder_layers=6",)),
     "wide_256": Arm((WIDE,)),  # its layers no longer fit the teacher's: from scratch
@@ -114,13 +113,12 @@ def step_seconds(config: config_lib.Config, phase: int, *, length: int,
 
 def step_shapes(config: config_lib.Config) -> dict[str, str]:
     """Phase -> what its step time depends on: the arms with equal shapes share a probe.
-    Phase 1 is one stage of the model; phase 2 adds the unrolled stages and their loss."""
+    Phase 1 is one pass of the decoder; phase 2 adds the unrolled passes and their loss."""
     section = config.student
     model = dataclasses.replace(section.model, dropout_rate=0.0)
     phase1 = repr((model, config.vocab.size, section.loop.tokens_per_batch))
     return {"phase1": phase1,
-            "phase2": repr((phase1, section.num_stages, section.remask_stutter,
-                            section.glancing_ratio > 0))}
+            "phase2": repr((phase1, section.num_passes, section.glancing_ratio > 0))}
 
 
 def plan_steps(seconds: float, phase1_s: float, phase2_s: float, phase2_fraction: float

@@ -10,7 +10,7 @@ FLOPs per step, counted on the padded shapes (the synthetic batches have no padd
   6 x (N_enc x B x S' + (N_dec + V x D) x B x T x K)      matmuls, forward + backward
   + 12 x B x D x sum over attention modules of (Lq x Lk)  QK^T and AV, forward + backward
 N_enc/N_dec: encoder/decoder parameters without position tables; V x D: the tied output
-projection; S' = S (+1 for PaDIR's [LENGTH] token); K: decoder passes (the unrolled stages);
+projection; S' = S (+1 for PaDIR's [LENGTH] token); K: the unrolled decoder passes;
 decoder attention per layer: T x T self, T x S' cross, and PaDIR's T x T positional attention.
 
     python -m benchmarks.train_throughput [--batch 64 --length 32 --steps 6 --vocab 8000]
@@ -93,18 +93,18 @@ def _count(tree, skip=()) -> int:
 
 
 def step_flops(params, cfg: ModelConfig, vocab: int, batch: int, src: int, tgt: int,
-               padir: bool, stages: int) -> tuple[float, float, int]:
+               padir: bool, passes: int) -> tuple[float, float, int]:
     """(FLOPs of one train step, of which attention's QK^T and AV, parameter count); see
     the module docstring."""
     n_enc = _count(params["encoder"], skip=("pos_embedding",))
     n_dec = _count(params["decoder"], skip=("pos_embedding",))
     src_len = src + 1 if padir else src
-    matmuls = 6 * (n_enc * batch * src_len + (n_dec + vocab * cfg.d_model) * batch * tgt * stages)
+    matmuls = 6 * (n_enc * batch * src_len + (n_dec + vocab * cfg.d_model) * batch * tgt * passes)
     pairs = cfg.num_encoder_layers * src_len * src_len
     per_decoder_pass = cfg.num_decoder_layers * (tgt * tgt + tgt * src_len)
     if padir and cfg.positional_attention:
         per_decoder_pass += cfg.num_decoder_layers * tgt * tgt
-    pairs += per_decoder_pass * stages
+    pairs += per_decoder_pass * passes
     attention = 12 * batch * cfg.d_model * pairs
     return float(matmuls + attention), float(attention), _count(params)
 
@@ -167,7 +167,7 @@ def measure(name, model, loss_settings, args, rng) -> dict:
     """One model's step; `loss_settings`: the student's in one phase, None for the AR model."""
     cfg = model.config
     padir = isinstance(model, PaDIRModel)
-    num_stages = 1 if loss_settings is None else loss_settings.num_stages
+    num_passes = 1 if loss_settings is None else loss_settings.num_passes
     tx, _ = train.make_optimizer(OptimizerConfig(), total_steps=1000)
     placement = train.place(model, tx, MeshConfig())
     steps = train.compile_steps(model, tx, placement.state_shardings, placement.batch_sharding,
@@ -178,7 +178,7 @@ def measure(name, model, loss_settings, args, rng) -> dict:
         placement.batch_sharding,
     )
     flops, _, num_params = step_flops(state.params, cfg, args.vocab, args.batch, args.length,
-                                   args.length, padir, num_stages)
+                                   args.length, padir, num_passes)
     start = time.perf_counter()
     for _ in range(2):  # compile + one warm step
         state, metrics = steps.train(state, batch)
@@ -250,7 +250,7 @@ def main(argv=None) -> None:
         "teacher": ("teacher (AR)", lambda: ARModel(teacher_cfg, args.vocab, label_smoothing),
                     None),
         "phase1": ("PaDIR phase 1 (K=1)", make_student, student_loss_settings(student, 1)),
-        "phase2": (f"PaDIR phase 2 (K={student.num_stages})", make_student,
+        "phase2": (f"PaDIR phase 2 (K={student.num_passes})", make_student,
                    student_loss_settings(student, 2)),
     }
     for key in args.models.split(","):

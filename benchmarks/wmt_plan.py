@@ -16,7 +16,7 @@ Prints three markdown tables for benchmarks/README.md, each followed by its assu
   docstring there has the formula) on rows of S = T = `--pair-tokens` padded tokens,
   `loop.tokens_per_batch // pair_tokens` rows a step,
       FLOPs = step(teacher, K=1) x teacher.steps + step(student, K=1) x phase1_steps
-              + step(student, K=num_stages) x phase2_steps
+              + step(student, K=num_passes) x phase2_steps
       chip-hours = FLOPs / (peak FLOP/s per chip x MFU) / 3600; wall = chip-hours / chips;
 * distillation, the teacher's beam search over every training source (forward only;
   attention, the cache and the search's top-k ignored),
@@ -175,18 +175,18 @@ def training_steps(config: config_lib.Config, pair_tokens: int
     teacher_batch = config.teacher.loop.tokens_per_batch // pair_tokens
     student_batch = config.student.loop.tokens_per_batch // pair_tokens
 
-    def flops(params, cfg, batch, padir, stages):
+    def flops(params, cfg, batch, padir, passes):
         return train_throughput.step_flops(params, cfg, vocab, batch, pair_tokens, pair_tokens,
-                                           padir, stages)[0]
+                                           padir, passes)[0]
 
-    stages = config.student.num_stages
+    passes = config.student.num_passes
     return [
         ("teacher (AR)", config.teacher.steps, teacher_batch,
          flops(teacher, teacher_cfg, teacher_batch, False, 1)),
         ("student phase 1 (K=1)", config.student.phase1_steps, student_batch,
          flops(student, student_cfg, student_batch, True, 1)),
-        (f"student phase 2 (K={stages})", config.student.phase2_steps, student_batch,
-         flops(student, student_cfg, student_batch, True, stages)),
+        (f"student phase 2 (K={passes})", config.student.phase2_steps, student_batch,
+         flops(student, student_cfg, student_batch, True, passes)),
     ]
 
 

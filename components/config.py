@@ -351,14 +351,10 @@ class StudentConfig:
     loop: TrainLoopConfig = TrainLoopConfig()
     phase1_steps: int = 20000
     phase2_steps: int = 10000
-    num_stages: int = 2  # stages unrolled in phase 2 (phase 1 always uses 1)
-    remask_stutter: bool = False  # phase 2: re-mask stage-1 tokens equal to their left neighbour
-    # Phase 2: glancing (GLAT): stage 2 sees round(ratio x stage 1's errors) gold tokens and
+    num_passes: int = 2  # decoder passes unrolled in phase 2 (phase 1 always uses 1)
+    # Phase 2: glancing (GLAT): pass 2 sees round(ratio x pass 1's errors) gold tokens and
     # learns the rest (model/losses.py `glance`); 0 is off.
     glancing_ratio: float = 0.0
-    # Both phases: each example's noise ratio is drawn from U(min_noise_ratio, 1)
-    # (model/noising.py); above 0, more steps see the heavily masked inputs of the first passes.
-    min_noise_ratio: float = 0.0
     # Both phases: this fraction of the examples is noised as draft and verify drafts (a gold
     # prefix of uniform length, the rest masked: model/noising.py); 0 is off.
     draft_prefix_ratio: float = 0.0
@@ -368,14 +364,12 @@ class StudentConfig:
     init_from_teacher: bool = False
 
     def __post_init__(self):
-        if self.phase1_steps < 1 or self.phase2_steps < 0 or self.num_stages < 1:
-            raise ConfigError("student: phase1_steps >= 1, phase2_steps >= 0, num_stages >= 1")
+        if self.phase1_steps < 1 or self.phase2_steps < 0 or self.num_passes < 1:
+            raise ConfigError("student: phase1_steps >= 1, phase2_steps >= 0, num_passes >= 1")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError("student.label_smoothing: expected a value in [0, 1)")
         if not 0.0 <= self.glancing_ratio <= 1.0:
             raise ConfigError("student.glancing_ratio: expected a value in [0, 1]")
-        if not 0.0 <= self.min_noise_ratio < 1.0:
-            raise ConfigError("student.min_noise_ratio: expected a value in [0, 1)")
         if not 0.0 <= self.draft_prefix_ratio <= 1.0:
             raise ConfigError("student.draft_prefix_ratio: expected a value in [0, 1]")
 

@@ -17,13 +17,8 @@ from typing import Any, BinaryIO, Literal, Sequence, TextIO
 
 from components import artifacts, corpus, dag, datasets, logs
 from components import config as config_lib
-from components.corpus import CorpusError
+from components.errors import USER_ERRORS
 from flows import local_api, stages
-
-# Errors that mean "the input is wrong", reported as one line rather than a traceback; a
-# PermissionError names the file or object (a 403 on a bucket: artifacts.py).
-USER_ERRORS = (config_lib.ConfigError, CorpusError, datasets.FetchError,
-               artifacts.IncompleteArtifactError, artifacts.LeaseHeldError, PermissionError)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,8 @@
-"""Losses: token cross-entropy, the AR loss, the PaDIR K-stage unrolled loss, the length loss;
+"""Losses: token cross-entropy, the AR loss, the PaDIR K-pass unrolled loss, the length loss;
 and the student's loss settings per phase (`LossSettings`, `student_loss_settings`).
 
 Normalisation is explicit and per token: `cross_entropy` returns (sum of losses, sum of
-weights) and the objectives divide one by the other per stage. (The original sums, which
+weights) and the objectives divide one by the other per pass. (The original sums, which
 only suits Adafactor's update clipping; with Adam the loss scale should not grow with the
 batch's token count.) Metrics are returned as sums and counts so that a trainer can add
 them over steps and devices before dividing.
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from components.config import StudentConfig
-from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from components.tokenizer import EOS_ID, PAD_ID
 from model.transformer import argmax_ids, best_target_logit
 
 
@@ -30,23 +30,20 @@ class LossSettings:
     same loss; the config checks each value.
     """
 
-    num_stages: int = 1  # K, the unrolled stages (`padir_loss`)
-    remask_stutter: bool = False  # re-mask stutter in the input of stages k > 1
-    glancing_ratio: float = 0.0  # GLAT at stages k > 1 (`glance`); 0 is off
-    min_noise_ratio: float = 0.0  # noising.noise_targets' `min_ratio`
+    num_passes: int = 1  # K, the unrolled decoder passes (`padir_loss`)
+    glancing_ratio: float = 0.0  # GLAT at passes k > 1 (`glance`); 0 is off
     draft_prefix_ratio: float = 0.0  # noising.noise_targets' `prefix_ratio`
 
 
 def student_loss_settings(cfg: StudentConfig, phase: int) -> LossSettings:
-    """The student's loss in phase 1 (one stage) or phase 2 (`cfg.num_stages` unrolled,
-    with its stutter re-masking and glancing); the noise is the same in both."""
+    """The student's loss in phase 1 (one pass) or phase 2 (`cfg.num_passes` unrolled,
+    with its glancing); the noise is the same in both."""
     if phase not in (1, 2):
         raise ValueError(f"the student trains in phase 1 or 2, not {phase}")
-    noise = dict(min_noise_ratio=cfg.min_noise_ratio, draft_prefix_ratio=cfg.draft_prefix_ratio)
     if phase == 1:
-        return LossSettings(**noise)
-    return LossSettings(num_stages=cfg.num_stages, remask_stutter=cfg.remask_stutter,
-                        glancing_ratio=cfg.glancing_ratio, **noise)
+        return LossSettings(draft_prefix_ratio=cfg.draft_prefix_ratio)
+    return LossSettings(num_passes=cfg.num_passes, glancing_ratio=cfg.glancing_ratio,
+                        draft_prefix_ratio=cfg.draft_prefix_ratio)
 
 
 def cross_entropy(
@@ -158,24 +155,18 @@ def ar_loss(
     return _normalise(total, count), metrics
 
 
-def next_stage_input(
-    logits: jax.Array, targets: jax.Array, *, remask_stutter: bool = False
-) -> jax.Array:
-    """The decoder input of the next stage: the previous stage's argmax, no gradient.
+def next_pass_input(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The decoder input of the next pass: the previous pass's argmax, no gradient.
 
     Args:
-      logits: float[B, T, V] of the previous stage.
+      logits: float[B, T, V] of the previous pass.
       targets: int32[B, T]; only its pad positions are used (they are set to PAD_ID, as
         at inference, where everything after the hypothesis length is pad).
-      remask_stutter: replace a token equal to its left neighbour by MASK_ID.
 
     Returns:
       int32[B, T].
     """
     ids = argmax_ids(jax.lax.stop_gradient(logits))  # [B, T]
-    if remask_stutter:
-        left = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-        ids = jnp.where(ids == left, MASK_ID, ids)
     return jnp.where(targets == PAD_ID, PAD_ID, ids)
 
 
@@ -237,40 +228,39 @@ def padir_loss(
     noised_mask: jax.Array,
     length_logits: jax.Array,
     *,
-    num_stages: int = 1,
-    remask_stutter: bool = False,
+    num_passes: int = 1,
     label_smoothing: float = 0.0,
     glancing_ratio: float = 0.0,
     rng: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The PaDIR K-stage unrolled loss plus the length loss.
+    """The PaDIR K-pass unrolled loss plus the length loss.
 
-    Stage 1 decodes the noised gold target and is weighted on the noised positions and
-    EOS. Stage k > 1 decodes `next_stage_input` of stage k - 1 (argmax, no gradient, pads
-    zeroed, optionally stutter re-masked) and is weighted on all non-pad targets, so the
-    model learns to repair its own first-pass output as it must at inference. Each stage is
-    normalised per token, stages are summed with equal weight, the length loss is added.
+    Pass 1 decodes the noised gold target and is weighted on the noised positions and
+    EOS. Pass k > 1 decodes `next_pass_input` of pass k - 1 (argmax, no gradient, pads
+    zeroed) and is weighted on all non-pad targets, so the model learns to repair its own
+    first-pass output as it must at inference. Each pass is normalised per token, passes
+    are summed with equal weight, the length loss is added.
 
-    With `glancing_ratio` > 0 (GLAT), stage k > 1 also sees gold tokens where `glance`
-    reveals them (in proportion to stage k - 1's errors; the other positions keep its
+    With `glancing_ratio` > 0 (GLAT), pass k > 1 also sees gold tokens where `glance`
+    reveals them (in proportion to pass k - 1's errors; the other positions keep its
     argmax) and is weighted on the positions not revealed: a pass that was mostly wrong
     learns from an easier input, one that was mostly right from its own output. The count
-    revealed is `tokens - weights_stage{k}`.
+    revealed is `tokens - weights_pass{k}`.
 
     Args:
-      logits_fn: (hypothesis int32[B, T], stage) -> logits float[B, T, V]; `stage` (1-based,
-        a Python int) lets the caller draw separate dropout per stage.
+      logits_fn: (hypothesis int32[B, T], pass k) -> logits float[B, T, V]; k (1-based, a
+        Python int) lets the caller draw separate dropout per pass.
       targets: int32[B, T] ids + EOS, 0-padded.
       noised_ids, noised_mask: from `noising.noise_targets`.
       length_logits: float[B, C] from the length classifier.
-      num_stages, remask_stutter, glancing_ratio: static, from `LossSettings` (whose
+      num_passes, glancing_ratio: static, from `LossSettings` (whose
         values the config checked).
       label_smoothing: for the token cross-entropies (not the length loss).
-      rng: a PRNG key, needed by glancing (stage k draws from fold_in(rng, k)).
+      rng: a PRNG key, needed by glancing (pass k draws from fold_in(rng, k)).
 
     Returns:
-      (loss, metrics). Metrics are sums/counts: `loss`, `weights`, `accuracy` for stage 1;
-      `loss_stage{k}`, `weights_stage{k}`, `accuracy_stage{k}` for k > 1; `tokens` (non-pad
+      (loss, metrics). Metrics are sums/counts: `loss`, `weights`, `accuracy` for pass 1;
+      `loss_pass{k}`, `weights_pass{k}`, `accuracy_pass{k}` for k > 1; `tokens` (non-pad
       targets); `length_loss`, `length_accuracy`, `examples`.
     """
     if glancing_ratio > 0 and rng is None:
@@ -280,19 +270,19 @@ def padir_loss(
     weights = noised_mask | (targets == EOS_ID)
     objective = jnp.zeros((), jnp.float32)
     metrics = {"tokens": jnp.sum(non_pad.astype(jnp.float32))}
-    for stage in range(1, num_stages + 1):
-        if stage > 1:
-            hypothesis = next_stage_input(logits, targets, remask_stutter=remask_stutter)
+    for k in range(1, num_passes + 1):
+        if k > 1:
+            hypothesis = next_pass_input(logits, targets)
             weights = non_pad
             if glancing_ratio > 0:
-                revealed = glance(jax.random.fold_in(rng, stage), logits, targets,
+                revealed = glance(jax.random.fold_in(rng, k), logits, targets,
                                   glancing_ratio)  # [B, T]
                 hypothesis = jnp.where(revealed, targets, hypothesis)
                 weights = non_pad & ~revealed
-        logits = logits_fn(hypothesis, stage)  # [B, T, V]
+        logits = logits_fn(hypothesis, k)  # [B, T, V]
         total, count = cross_entropy(logits, targets, weights, label_smoothing)
         objective = objective + _normalise(total, count)
-        suffix = "" if stage == 1 else f"_stage{stage}"
+        suffix = "" if k == 1 else f"_pass{k}"
         metrics[f"loss{suffix}"] = total
         metrics[f"weights{suffix}"] = count
         metrics[f"accuracy{suffix}"] = correct_tokens(logits, targets, weights)

@@ -310,16 +310,16 @@ class PaDIRModel(_BaseModel):
         settings: losses.LossSettings = losses.LossSettings(),
         deterministic: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The K-stage unrolled loss plus the length loss (see `losses.padir_loss`).
+        """The K-pass unrolled loss plus the length loss (see `losses.padir_loss`).
 
         `rng` drives the noise, dropout and glancing; `settings` (static: the phase's,
-        `losses.student_loss_settings`) say how many stages, and how the noise is drawn.
+        `losses.student_loss_settings`) say how many passes, and how the noise is drawn.
         """
         target = batch["target"]
         noise_rng, dropout_rng = jax.random.split(rng)
         noised_ids, noised_mask = noising.noise_targets(
             noise_rng, target, vocab_size=self.vocab_size, first_real_id=self.first_real_id,
-            min_ratio=settings.min_noise_ratio, prefix_ratio=settings.draft_prefix_ratio)
+            prefix_ratio=settings.draft_prefix_ratio)
         variables = {"params": params}
         encoded, memory_mask = self.module.apply(
             variables, batch["source"], deterministic,
@@ -329,11 +329,11 @@ class PaDIRModel(_BaseModel):
             variables, encoded, method=PaDIRTransformer.length_logits
         )  # [B, max_target_len]
 
-        def logits_fn(hypothesis: jax.Array, stage: int) -> jax.Array:
+        def logits_fn(hypothesis: jax.Array, k: int) -> jax.Array:
             return self.module.apply(
                 variables, encoded, memory_mask, hypothesis, deterministic,
                 method=PaDIRTransformer.decode,
-                rngs={"dropout": jax.random.fold_in(dropout_rng, stage)},
+                rngs={"dropout": jax.random.fold_in(dropout_rng, k)},
             )  # [B, T, V]
 
         return losses.padir_loss(
@@ -342,8 +342,7 @@ class PaDIRModel(_BaseModel):
             noised_ids,
             noised_mask,
             length_logits,
-            num_stages=settings.num_stages,
-            remask_stutter=settings.remask_stutter,
+            num_passes=settings.num_passes,
             label_smoothing=self.label_smoothing,
             glancing_ratio=settings.glancing_ratio,
             rng=jax.random.fold_in(rng, GLANCING_STREAM),

@@ -1,12 +1,11 @@
 """On-the-fly noising of PaDIR training targets.
 
 Every time an example is seen it gets fresh noise, drawn from the rng it is given (so a
-training run is reproducible from its seed): a ratio r ~ U(min_ratio, 1) per example; each
+training run is reproducible from its seed): a ratio r ~ U(0, 1) per example; each
 target token that is neither pad nor EOS is noised with probability r; a noised token
 becomes [MASK] (80%), a random real piece (10%) or stays as it is (10%). Drawing r per
 example exposes the model to everything from a nearly clean to a fully masked input,
-the latter being what the first refinement pass sees at inference; a `min_ratio` above 0
-spends more of the steps on the heavily masked inputs the first passes see.
+the latter being what the first refinement pass sees at inference.
 
 With `prefix_ratio` > 0, that fraction of the examples is noised instead as draft and
 verify shows the student its input (model/draft_verify.py): a gold prefix of uniform
@@ -29,10 +28,9 @@ def noise_targets(
     first_real_id: int,
     mask_prob: float = 0.8,
     random_prob: float = 0.1,
-    min_ratio: float = 0.0,
     prefix_ratio: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
-    """Noises targets for the stage-1 decoder input.
+    """Noises targets for the decoder input of the loss's first pass.
 
     Args:
       rng: a PRNG key; the same key gives the same noise.
@@ -43,7 +41,6 @@ def noise_targets(
       random_prob: probability that a noised token becomes a random real piece; with
         probability 1 - mask_prob - random_prob it keeps its value (but is still noised,
         i.e. still carries loss weight).
-      min_ratio: the noise ratio is drawn from U(min_ratio, 1).
       prefix_ratio: the probability that an example gets the drafting pattern instead (a
         prefix of k ~ U{0, ..., n - 1} of its n pieces kept, the rest [MASK]).
 
@@ -56,7 +53,7 @@ def noise_targets(
         raise ValueError(f"first_real_id {first_real_id} outside [0, {vocab_size})")
     ratio_rng, select_rng, action_rng, piece_rng = jax.random.split(rng, 4)
     batch, length = targets.shape
-    ratio = jax.random.uniform(ratio_rng, (batch, 1), minval=min_ratio)  # [B, 1]
+    ratio = jax.random.uniform(ratio_rng, (batch, 1))  # [B, 1]
     eligible = (targets != PAD_ID) & (targets != EOS_ID)  # [B, T]
     noised_mask = eligible & (jax.random.uniform(select_rng, (batch, length)) < ratio)
     action = jax.random.uniform(action_rng, (batch, length))  # [B, T]

@@ -304,9 +304,7 @@ def accept_predictions(
     (< NUM_RESERVED: EOS or UNK inside the sentence; PAD and the control ids cannot win
     the masked argmax, but would be rejected too), and *stutters* if it equals the
     prediction at the position to its left (so "a a a" keeps the first "a" only).
-    Rejected and stuttering positions go back to their initial token: [MASK] with
-    `init="mask"`, i.e. exactly the stutter re-masking of the stage-2 training input
-    (`losses.next_stage_input`), or the same random piece with `init="random"`. EOS and
+    Rejected and stuttering positions go back to their initial token, [MASK]. EOS and
     PAD positions always keep their initial token.
 
     Args:

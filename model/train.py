@@ -273,13 +273,13 @@ def _is_count(name: str) -> bool:
 def _denominator(name: str, sums: Mapping[str, float]) -> str:
     if name.startswith("length_"):
         return "examples"
-    stage = name[name.index("_stage"):] if "_stage" in name else ""
-    return f"weights{stage}" if f"weights{stage}" in sums else "tokens"
+    suffix = name[name.index("_pass"):] if "_pass" in name else ""
+    return f"weights{suffix}" if f"weights{suffix}" in sums else "tokens"
 
 
 def summarize(sums: Mapping[str, float], steps: int = 1) -> dict[str, float]:
     """Means from metric sums (model/losses.py's convention): `length_*` per example,
-    `x_stage{k}` per `weights_stage{k}`, others per `weights` (else per token); per-step
+    `x_pass{k}` per `weights_pass{k}`, others per `weights` (else per token); per-step
     values (`STEP_MEANS`) per step; counts stay counts."""
     out = {}
     for name, value in sums.items():
@@ -812,7 +812,7 @@ STUDENT_DEV_ITERATIONS = 4
 def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshConfig, *,
                   checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
                   warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
-    """The PaDIR student: phase 1 (single-stage loss), then phase 2 (`cfg.num_stages`
+    """The PaDIR student: phase 1 (single-pass loss), then phase 2 (`cfg.num_passes`
     unrolled stages) initialised from phase 1's last step, each in its folder of
     `checkpoint_dir` and `log_dir` (components/training_artifact.py `phase`).
 

@@ -57,7 +57,7 @@ def test_pack_holds_params_vocabulary_test_set_and_batches_under_the_limit(pack)
     assert set(loaded) == {"teacher", "student", "ar_student"}
     assert loaded["teacher"].model.config.d_model == 32
     assert loaded["ar_student"].model.config.num_decoder_layers == 1
-    assert device_check.packed_section(about, "student").num_stages == 2
+    assert device_check.packed_section(about, "student").num_passes == 2
     with np.load(os.path.join(directory, "student_batches.npz")) as batches:
         assert len(batches.files) == 4 and batches["target_0000"].dtype == np.int16
 
@@ -87,8 +87,8 @@ def test_the_training_probe_times_each_phase_with_the_packed_loss_settings(pack,
 
     directory, _, _ = pack
     about, loaded = device_check.load_pack(directory)
-    about["student"]["section"].update(num_stages=3, remask_stutter=True, glancing_ratio=0.5,
-                                       min_noise_ratio=0.2, draft_prefix_ratio=0.25)
+    about["student"]["section"].update(num_passes=3, glancing_ratio=0.5,
+                                       draft_prefix_ratio=0.25)
     timed = []
 
     def step(state, batch, *, model, tx, loss_settings=None):  # traced once per shape

@@ -77,9 +77,9 @@ def test_padir_overfits_and_predicts_in_one_pass(padir_trained):
     np.testing.assert_array_equal(prediction, BATCH["target"])
     # Phase 2: both stages and the re-masking path run and are small on a memorised set.
     loss, metrics = loss_fn(params, BATCH, jax.random.key(3),
-                            settings=LossSettings(num_stages=2, remask_stutter=True))
-    assert {"loss_stage2", "weights_stage2", "accuracy_stage2"} <= set(metrics)
-    assert metrics["loss_stage2"] / metrics["weights_stage2"] < 0.5
+                            settings=LossSettings(num_passes=2))
+    assert {"loss_pass2", "weights_pass2", "accuracy_pass2"} <= set(metrics)
+    assert metrics["loss_pass2"] / metrics["weights_pass2"] < 0.5
 
 
 def test_padir_loss_is_deterministic_under_the_rng(padir_trained):

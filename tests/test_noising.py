@@ -81,18 +81,6 @@ def test_random_pieces_only_from_real_range():
     assert pieces.min() < FIRST_REAL + 20 and pieces.max() > VOCAB - 20
 
 
-def test_min_ratio_moves_the_noise_ratio_to_its_range():
-    targets = _targets(2048, 32)
-    _, mask = map(np.asarray, _noise(1, targets, min_ratio=0.5))
-    targets = np.asarray(targets)
-    eligible = (targets != EOS_ID) & (targets != PAD_ID)
-    # r ~ U(0.5, 1): three quarters of the eligible tokens on average, none far below half.
-    assert abs(mask.sum() / eligible.sum() - 0.75) < 0.03
-    per_example = mask.sum(1) / np.maximum(eligible.sum(1), 1)
-    long_rows = eligible.sum(1) >= 20
-    assert per_example[long_rows].min() > 0.25
-
-
 def test_prefix_ratio_gives_drafting_inputs_a_gold_prefix_and_the_rest_masked():
     targets = _targets(4096, 24)
     ids, mask = map(np.asarray, _noise(2, targets, prefix_ratio=0.5))

@@ -62,7 +62,7 @@ assert jax.device_count() == 8
 tiny = ModelConfig(d_model=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=1,
                    mlp_dim=64, max_source_len=toy.LENGTH + 1, max_target_len=toy.LENGTH)
 batches = [toy.make_batch(0, i, 8) for i in range(3)]
-for model, num_stages in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 2)]:
+for model, num_passes in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 2)]:
     tx, _ = train.make_optimizer(toy.OPTIMIZER, 10)
     results = {}
     for name, mesh, devices in [("single", MeshConfig(data=1, fsdp=1), jax.devices()[:1]),
@@ -71,7 +71,7 @@ for model, num_stages in [(toy.ToyModel(), 1), (PaDIRModel(tiny, toy.VOCAB, 6), 
         state = placement.create_state(seed=0)
         steps = train.compile_steps(model, tx, placement.state_shardings,
                                     placement.batch_sharding,
-                                    loss_settings=LossSettings(num_stages=num_stages))
+                                    loss_settings=LossSettings(num_passes=num_passes))
         metrics = []
         for batch in batches:
             device_batch = sharding.shard_batch(batch, placement.batch_sharding)

@@ -44,12 +44,12 @@ def test_schedule_warms_up_then_decays(decay):
 
 
 def test_summarize_follows_the_losses_conventions():
-    sums = {"loss": 6.0, "weights": 3.0, "accuracy": 2.0, "loss_stage2": 8.0,
-            "weights_stage2": 4.0, "tokens": 5.0, "length_accuracy": 1.0, "examples": 2.0,
+    sums = {"loss": 6.0, "weights": 3.0, "accuracy": 2.0, "loss_pass2": 8.0,
+            "weights_pass2": 4.0, "tokens": 5.0, "length_accuracy": 1.0, "examples": 2.0,
             "objective": 4.0, "grad_norm": 2.0}
     out = train.summarize(sums, steps=2)
     assert out["loss"] == 2.0 and out["accuracy"] == pytest.approx(2 / 3)
-    assert out["loss_stage2"] == 2.0 and out["length_accuracy"] == 0.5
+    assert out["loss_pass2"] == 2.0 and out["length_accuracy"] == 0.5
     assert out["objective"] == 2.0 and out["grad_norm"] == 1.0
     assert out["tokens"] == 5.0 and out["examples"] == 2.0
 
@@ -235,8 +235,7 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
     # With an average of the parameters and a warm start, as the benchmark trains it: the
     # warm start (phase 1) and the init checkpoint (phase 2) start both parameter trees.
     cfg = StudentConfig(model=TINY, optimizer=dataclasses.replace(toy.OPTIMIZER, ema_decay=0.9),
-                        loop=TINY_LOOP, phase1_steps=2, phase2_steps=2, num_stages=2,
-                        remask_stutter=True)
+                        loop=TINY_LOOP, phase1_steps=2, phase2_steps=2, num_passes=2)
     model = PaDIRModel(cfg.model, toy.VOCAB, first_real_id=6,
                        label_smoothing=cfg.label_smoothing)
     dev = toy.dev_batches()
@@ -250,6 +249,6 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
     assert "bleu" in result.dev_metrics and "bleu_tok_lc" in result.dev_metrics
     # phase 2 continued phase 1's data stream: positions 3, 4 after phase 1's 1, 2
     assert result.position == 4
-    assert {"loss_stage2", "length_accuracy"} <= set(result.dev_metrics)
+    assert {"loss_pass2", "length_accuracy"} <= set(result.dev_metrics)
     assert os.path.isdir(tmp_path / "student" / "phase1" / "2")
     assert os.path.isdir(tmp_path / "student" / "phase2" / "2")

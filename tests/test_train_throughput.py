@@ -11,8 +11,7 @@ CONFIG = "configs/multi30k_en_de.yaml"  # the student glances
 TINY = "{d_model: 32, num_heads: 2, num_encoder_layers: 1, num_decoder_layers: 1, mlp_dim: 64}"
 # Every other loss setting away from its default, and models laid out in a second.
 OVERRIDES = [f"teacher.model={TINY}", f"student.model={TINY}", "vocab.size=400",
-             "student.num_stages=3", "student.remask_stutter=true",
-             "student.min_noise_ratio=0.2", "student.draft_prefix_ratio=0.25"]
+             "student.num_passes=3", "student.draft_prefix_ratio=0.25"]
 
 
 class Probed(Exception):

@@ -47,7 +47,7 @@ def _tiny_config(**sections) -> config_lib.Config:
             "teacher": {"model": dict(vars(TINY)), "steps": 7,
                         "loop": {"tokens_per_batch": 64}},
             "student": {"model": dict(vars(TINY)), "phase1_steps": 5, "phase2_steps": 3,
-                        "num_stages": 3, "loop": {"tokens_per_batch": 32}}}
+                        "num_passes": 3, "loop": {"tokens_per_batch": 32}}}
     data.update(sections)
     return config_lib.from_dict(config_lib.Config, data)
 

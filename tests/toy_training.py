@@ -106,7 +106,7 @@ class ToyModel:
         )
         weights = (target > 0).astype(jnp.float32)
         losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), target[..., None], -1)[..., 0]
-        total = jnp.sum(losses * weights) * settings.num_stages
+        total = jnp.sum(losses * weights) * settings.num_passes
         count = jnp.sum(weights)
         metrics = {
             "loss": total,
