@@ -562,7 +562,7 @@ def main(argv=None) -> int:
             print(f"skipping {name}: no complete {method.stage} artifact at {uri}")
             continue
         loaded = trained_model.load_cached(uri)
-        common = dict(boundaries=config.encode.bucket_boundaries, seed=config.seed)
+        common = dict(boundaries=config.encode.bucket_boundaries)
         latency[name] = translator.Translator(loaded, method, batch_size=1, **common)
         batched[name] = translator.Translator(loaded, method, batch_size=batch_size, **common)
     if not latency:

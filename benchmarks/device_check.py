@@ -302,8 +302,7 @@ def _translate_all(translator: Any, pairs: list[dict], order: list[int]) -> list
 
 
 def decode_rows(loaded: dict[str, Any], pairs: list[dict], rows: Sequence[DecodeMethod], *,
-                latency_sentences: int, batch_size: int, seed: int = 0,
-                target_lang: str = "") -> dict:
+                latency_sentences: int, batch_size: int, target_lang: str = "") -> dict:
     """decode_speed's measurement without Beam: the report content (components/report.py).
     A CTranslate2 row whose worker cannot start here (no CUDA build, say) is left out."""
     from components import report
@@ -316,12 +315,12 @@ def decode_rows(loaded: dict[str, Any], pairs: list[dict], rows: Sequence[Decode
         rescorer = loaded[method.rescorer] if method.rescorer else None
         try:
             latency[method.name] = translator.Translator(model, method, batch_size=1,
-                                                         seed=seed, rescorer=rescorer)
+                                                         rescorer=rescorer)
         except ctranslate2_search.WorkerError as error:
             print(f"{method.name} skipped: {str(error).splitlines()[0]}", flush=True)
             continue
         batched[method.name] = translator.Translator(model, method, batch_size=batch_size,
-                                                     seed=seed, rescorer=rescorer)
+                                                     rescorer=rescorer)
     rows = [method for method in rows if method.name in latency]
     names = [method.name for method in rows]
     sample = pairs[:latency_sentences]
@@ -572,8 +571,7 @@ def run(directory: str, *, latency_sentences: int, batch_size: int, train_steps:
           "over all", flush=True)
     rows = methods(loaded, ctranslate2=ctranslate2_importable())
     content = decode_rows(loaded, pairs, rows, latency_sentences=latency_sentences,
-                          batch_size=batch_size, seed=about["seed"],
-                          target_lang=about["target_lang"])
+                          batch_size=batch_size, target_lang=about["target_lang"])
     print(report.render_markdown(content), flush=True)
     print(f"decoding: {time.time() - started:.0f} s", flush=True)
     rates = probe_training(directory, about, loaded, steps=train_steps)

@@ -489,14 +489,14 @@ class Decoder:
 DECODERS: dict[str, Decoder] = {
     "ar_greedy": Decoder("teacher", ("shortlist", "model")),
     "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist", "model")),
-    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets", "init",
+    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
                                  "shortlist")),
     "padir_rescored": Decoder("student", ("iterations", "num_length_candidates",
-                                          "length_offsets", "init", "shortlist"),
+                                          "length_offsets", "shortlist"),
                               rescorer="teacher"),
     "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
                                         "shortlist")),
-    "adaptive": Decoder("student", ("tokens_per_step", "criterion", "num_length_candidates",
+    "adaptive": Decoder("student", ("tokens_per_step", "num_length_candidates",
                                     "length_offsets", "shortlist")),
     "draft_verify": Decoder("student", ("iterations", "tolerance_top_k", "tolerance_margin",
                                         "shortlist"), rescorer="teacher"),
@@ -519,12 +519,12 @@ class DecodeMethod:
       ar_greedy     greedy search with a KV cache
       ar_beam       beam search: beam_size, length_penalty (GNMT exponent)
       padir         refinement: iterations (the most passes; a sentence stops earlier at a
-                    fixed point), num_length_candidates x length_offsets, init
+                    fixed point), num_length_candidates x length_offsets
       padir_rescored  padir's refinement of every length candidate, the candidate kept
                     the one the teacher scores best (one teacher-forced pass; the decode
                     stage gives it the teacher)
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
-      adaptive      unmask tokens_per_step positions per pass, chosen by criterion;
+      adaptive      unmask the tokens_per_step positions per pass most certain by margin;
                     num_length_candidates x length_offsets
       draft_verify  the student drafts after the accepted prefix (iterations: its passes
                     per draft), the teacher verifies in one teacher-forced pass and keeps
@@ -553,9 +553,7 @@ class DecodeMethod:
     num_length_candidates: int = 1  # most likely lengths, each plus every offset; one
     length_offsets: tuple[int, ...] = (0,)  # candidate: 1.9x faster than offsets (-1, 0, 1)
     # at 1.4 BLEU less (benchmarks/README.md, decode_speed.py: "Length candidates")
-    init: Literal["mask", "random"] = "mask"
     tokens_per_step: int = 2
-    criterion: Literal["top_prob", "margin"] = "margin"
     shortlist: bool = False
     compute_type: Literal["float32", "int8"] = "float32"
     model: Literal[AR_STAGES] = "teacher"  # the AR kinds: which AR model decodes
@@ -615,7 +613,7 @@ DEFAULT_DECODE_METHODS: tuple[DecodeMethod, ...] = (
     DecodeMethod("padir_10", "padir", iterations=10),
     DecodeMethod("mask_predict_4", "mask_predict", iterations=4),
     DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
-    DecodeMethod("adaptive_margin", "adaptive", criterion="margin"),
+    DecodeMethod("adaptive_margin", "adaptive"),
     DecodeMethod("ct2_greedy", "ct2_greedy"),
     DecodeMethod("ct2_beam4", "ct2_beam", beam_size=4),
     DecodeMethod("ct2_greedy_int8", "ct2_greedy", compute_type="int8"),

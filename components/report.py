@@ -102,14 +102,7 @@ def describe_setting(method: DecodeMethod) -> str:
             if "num_length_candidates" not in reads:
                 words.append(f"offsets ({', '.join(str(offset) for offset in value)})")
         elif option == "tokens_per_step":
-            by = f" by {method.criterion}" if "criterion" in reads else ""
-            words.append(f"{value} token{'' if value == 1 else 's'} per pass{by}")
-        elif option == "criterion":
-            if "tokens_per_step" not in reads:
-                words.append(f"criterion {value}")
-        elif option == "init":
-            if value != "mask":
-                words.append(f"init {value}")
+            words.append(f"{value} token{'' if value == 1 else 's'} per pass by margin")
         elif option == "compute_type":
             words.append(f"CTranslate2 {value}")
         elif option == "tolerance_top_k":

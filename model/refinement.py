@@ -6,13 +6,12 @@ that a batch needs is known only once its lengths are predicted:
     candidates = predict_candidates(model, params, source, num_length_candidates=1,
                                     length_offsets=(-1, 0, 1), max_len=32)
     width = output_width(candidates.lengths, max_len=32)     # host: a multiple of 8
-    result = refine(model, params, candidates, width=width, max_iterations=4, init="mask")
+    result = refine(model, params, candidates, width=width, max_iterations=4)
     result = mask_predict(model, params, candidates, width=width, iterations=10)
     result = refine_rescored(model, params, teacher, teacher_params,
                              Rescoring(candidates, teacher.encode(teacher_params, source)),
                              width=width, max_iterations=4)   # the teacher picks the candidate
-    result = adaptive(model, params, candidates, width=width, tokens_per_step=2,
-                      criterion="margin")
+    result = adaptive(model, params, candidates, width=width, tokens_per_step=2)
     result.tokens, result.scores, result.passes, result.lengths
 
 `predict_candidates` runs the encoder and the length head once per batch; each decoder then
@@ -55,7 +54,7 @@ Definitions shared by the three decoders:
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Protocol
 
 import flax
 import jax
@@ -71,8 +70,6 @@ LogitsFn = Callable[[jax.Array], jax.Array]
 
 MIN_LENGTH = 2  # counting EOS: a candidate has at least one token
 WIDTH_STEP = 8  # output widths are multiples of this: few compilations, little padding
-INITS = ("mask", "random")
-CRITERIA = ("top_prob", "margin")
 
 
 class NARModel(Protocol):
@@ -386,7 +383,7 @@ def refine_loop(
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "width", "max_iterations", "init"))
+@functools.partial(jax.jit, static_argnames=("model", "width", "max_iterations"))
 def refine(
     model: NARModel,
     params: Params,
@@ -394,15 +391,11 @@ def refine(
     *,
     width: int,
     max_iterations: int,
-    init: Literal["mask", "random"] = "mask",
-    rng: jax.Array | None = None,
     vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """PaDIR decoding by parallel iterative refinement.
 
-    Each candidate starts from [MASK] (`init="mask"`) or uniformly random real pieces
-    from [first_real_id, vocab_size) (`init="random"`, needs `rng`) before its EOS. Each
-    iteration is one decoder pass that re-predicts every position (argmax over target
+    Each candidate starts from [MASK] before its EOS. Each iteration is one decoder pass that re-predicts every position (argmax over target
     ids); the next input keeps the accepted predictions and puts the initial token back
     where a prediction was rejected or stuttered (`accept_predictions`). EOS stays at the
     candidate length.
@@ -426,8 +419,6 @@ def refine(
       candidates: from `predict_candidates`.
       width: T >= every candidate length (static; `output_width`).
       max_iterations: the most passes, >= 1 (static).
-      init: "mask" or "random" (static).
-      rng: a PRNG key, required by `init="random"`.
       vocab_ids: int32[K], a shortlist to decode over (model/shortlist.py: sorted, the
         reserved ids first); default all ids.
 
@@ -435,30 +426,20 @@ def refine(
       DecodeResult of B rows.
     """
     state, lengths = _refine_rows(model, params, candidates, width=width,
-                                  max_iterations=max_iterations, init=init, rng=rng,
-                                  vocab_ids=vocab_ids)
+                                  max_iterations=max_iterations, vocab_ids=vocab_ids)
     return _choose(state.tokens, state.token_log_probs, state.passes, lengths,
                    candidates.lengths.shape[0])
 
 
 def _refine_rows(model: NARModel, params: Params, candidates: Candidates, *, width: int,
-                 max_iterations: int, init: str, rng: jax.Array | None,
-                 vocab_ids: jax.Array | None) -> tuple[RefineState, jax.Array]:
+                 max_iterations: int, vocab_ids: jax.Array | None
+                 ) -> tuple[RefineState, jax.Array]:
     """`refine` of every candidate, before the choice: (final RefineState of N rows,
     lengths int32[N])."""
     if max_iterations < 1:
         raise ValueError(f"max_iterations must be >= 1, got {max_iterations}")
-    if init not in INITS:
-        raise ValueError(f"init must be one of {INITS}, got {init!r}")
-    if init == "random" and rng is None:
-        raise ValueError('init="random" needs an rng')
     logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     initial = masked_hypothesis(lengths, width)  # [N, T]: MASK, EOS, PAD
-    if init == "random":
-        pieces = jax.random.randint(
-            rng, initial.shape, model.first_real_id, model.vocab_size, jnp.int32
-        )  # [N, T]
-        initial = jnp.where(initial == MASK_ID, pieces, initial)  # [N, T]
     return refine_loop(logits_fn, initial, lengths, max_iterations, vocab_ids), lengths
 
 
@@ -490,7 +471,7 @@ class Rescoring:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "rescorer", "width", "max_iterations", "init"))
+    jax.jit, static_argnames=("model", "rescorer", "width", "max_iterations"))
 def refine_rescored(
     model: NARModel,
     params: Params,
@@ -500,8 +481,6 @@ def refine_rescored(
     *,
     width: int,
     max_iterations: int,
-    init: Literal["mask", "random"] = "mask",
-    rng: jax.Array | None = None,
     vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """Noisy parallel decoding (Gu et al. 2018; fairseq's
@@ -516,7 +495,7 @@ def refine_rescored(
     `refine`'s.
 
     Args:
-      model, params, width, max_iterations, init, rng, vocab_ids: as `refine`.
+      model, params, width, max_iterations, vocab_ids: as `refine`.
       rescorer: the AR model (hashable: static under jit); rescorer_params its parameters.
       rescoring: the candidates and the rescorer's encoding of their sources.
 
@@ -525,7 +504,7 @@ def refine_rescored(
     """
     candidates = rescoring.candidates
     state, lengths = _refine_rows(model, params, candidates, width=width,
-                                  max_iterations=max_iterations, init=init, rng=rng,
+                                  max_iterations=max_iterations,
                                   vocab_ids=vocab_ids)  # [N, T] rows, lengths [N]
     encoded, memory_mask = jax.tree.map(
         lambda x: jnp.repeat(x, candidates.lengths.shape[1], axis=0), rescoring.encoded
@@ -644,13 +623,11 @@ def mask_predict(
 # --- adaptive order ---------------------------------------------------------------------
 
 
-def certainty(log_probs: jax.Array, criterion: Literal["top_prob", "margin"]) -> jax.Array:
-    """How sure the model is of the real piece it would emit at each position.
-
-    "top_prob": p1, the probability of the most likely real piece; "margin": p1 - p2,
-    p2 being the second most likely real piece's (Kim et al. 2025, section 4.1). Both
-    under the full target distribution, restricted to real pieces because only a real
-    piece is ever emitted at a content position.
+def certainty(log_probs: jax.Array) -> jax.Array:
+    """How sure the model is of the real piece it would emit at each position: the margin
+    p1 - p2 between the probabilities of the two most likely real pieces (Kim et al.
+    2025, section 4.1), under the full target distribution, restricted to real pieces
+    because only a real piece is ever emitted at a content position.
 
     float32[N, T, V] log-probabilities -> float32[N, T].
     """
@@ -658,11 +635,7 @@ def certainty(log_probs: jax.Array, criterion: Literal["top_prob", "margin"]) ->
     # but XLA:CPU fuses an exp feeding top_k into its sort comparator, ~30x slower.
     top, _ = jax.lax.top_k(log_probs[..., NUM_RESERVED:], 2)  # [N, T, 2]
     top = jnp.exp(top)  # [N, T, 2]
-    if criterion == "top_prob":
-        return top[..., 0]
-    if criterion == "margin":
-        return top[..., 0] - top[..., 1]
-    raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
+    return top[..., 0] - top[..., 1]
 
 
 @flax.struct.dataclass
@@ -676,7 +649,7 @@ class AdaptiveState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "width", "tokens_per_step", "criterion")
+    jax.jit, static_argnames=("model", "width", "tokens_per_step")
 )
 def adaptive(
     model: NARModel,
@@ -685,7 +658,6 @@ def adaptive(
     *,
     width: int,
     tokens_per_step: int,
-    criterion: Literal["top_prob", "margin"],
     vocab_ids: jax.Array | None = None,
 ) -> DecodeResult:
     """Adaptive-order unmasking (Kim et al. 2025, "Train for the Worst, Plan for the Best").
@@ -699,15 +671,12 @@ def adaptive(
     Args:
       model, params, candidates, width, vocab_ids: as `refine`.
       tokens_per_step: K >= 1 (static).
-      criterion: "top_prob" or "margin" (static).
 
     Returns:
       DecodeResult of B rows; `passes` is ceil(L / K) of its longest candidate.
     """
     if tokens_per_step < 1:
         raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion must be one of {CRITERIA}, got {criterion!r}")
     batch_size = candidates.lengths.shape[0]
     logits_fn, lengths = _logits_fn(model, params, candidates, width, vocab_ids)  # [N]
     content, eos, _ = _layout(lengths, width)  # [N, T] each
@@ -724,7 +693,7 @@ def adaptive(
         active = jnp.any(masked, axis=1)  # [N]
         reading = read_logits(logits, vocab_ids)  # [N, T] each
         chosen = lowest_ranked(
-            -certainty(log_probs, criterion), masked, jnp.asarray(tokens_per_step)
+            -certainty(log_probs), masked, jnp.asarray(tokens_per_step)
         )  # [N, T]: the K most certain masked positions
         token_log_probs = jnp.where(chosen, reading.best_real_log_prob, state.token_log_probs)
         token_log_probs = jnp.where(

@@ -189,47 +189,44 @@ def _candidates(model: Any, method: DecodeMethod, params: Any, source: jax.Array
 
 
 def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
-                  rng: jax.Array, vocab_ids: Optional[jax.Array], *, width: int
+                  vocab_ids: Optional[jax.Array], *, width: int
                   ) -> dict[str, Optional[jax.Array]]:
     """The second call, into `width` positions, over the shortlist `vocab_ids` (None: all
     ids): `SEARCHES[method.kind]`."""
-    return SEARCHES[method.kind](model, method, params, encoded, rng, vocab_ids, width=width)
+    return SEARCHES[method.kind](model, method, params, encoded, vocab_ids, width=width)
 
 
-# Each search: (model, method, params, encoded, rng, vocab_ids, *, width) ->
+# Each search: (model, method, params, encoded, vocab_ids, *, width) ->
 # {"tokens": int32[B, T], "scores": float32[B] or None (no score), "passes": int32[B] or None
 # (AR: one pass per hypothesis token, counted on the host)}; draft_verify adds "rounds" and
 # "accepted" (drafted tokens accepted), int32[B]. `encoded` is what
 # `_encode_batch` returned; `vocab_ids` the batch's shortlist or None.
 
 
-def _ar_greedy(model, method, params, encoded, rng, vocab_ids, *, width):
+def _ar_greedy(model, method, params, encoded, vocab_ids, *, width):
     return {"tokens": model.greedy(params, *encoded, width, vocab_ids), "scores": None,
             "passes": None}
 
 
-def _ar_beam(model, method, params, encoded, rng, vocab_ids, *, width):
+def _ar_beam(model, method, params, encoded, vocab_ids, *, width):
     tokens, scores = model.beam(params, *encoded, width, method.beam_size,
                                 method.length_penalty, vocab_ids)
     return {"tokens": tokens, "scores": scores, "passes": None}
 
 
-def _refine(model, method, params, encoded, rng, vocab_ids, *, width):
+def _refine(model, method, params, encoded, vocab_ids, *, width):
     return _result(refinement.refine(model, params, encoded, width=width,
-                                   max_iterations=method.iterations, init=method.init,
-                                   rng=rng if method.init == "random" else None,
-                                   vocab_ids=vocab_ids))
+                                   max_iterations=method.iterations, vocab_ids=vocab_ids))
 
 
-def _refine_rescored(model, method, params, encoded, rng, vocab_ids, *, width):
+def _refine_rescored(model, method, params, encoded, vocab_ids, *, width):
     (model, rescorer), (params, rescorer_params) = model, params
     return _result(refinement.refine_rescored(
         model, params, rescorer, rescorer_params, encoded, width=width,
-        max_iterations=method.iterations, init=method.init,
-        rng=rng if method.init == "random" else None, vocab_ids=vocab_ids))
+        max_iterations=method.iterations, vocab_ids=vocab_ids))
 
 
-def _draft_verify(model, method, params, encoded, rng, vocab_ids, *, width):
+def _draft_verify(model, method, params, encoded, vocab_ids, *, width):
     (model, verifier), (params, verifier_params) = model, params
     result = draft_verify.draft_verify(
         model, params, verifier, verifier_params, encoded, width=width,
@@ -239,15 +236,15 @@ def _draft_verify(model, method, params, encoded, rng, vocab_ids, *, width):
             "rounds": result.rounds, "accepted": result.accepted}
 
 
-def _mask_predict(model, method, params, encoded, rng, vocab_ids, *, width):
+def _mask_predict(model, method, params, encoded, vocab_ids, *, width):
     return _result(refinement.mask_predict(model, params, encoded, width=width,
                                          iterations=method.iterations, vocab_ids=vocab_ids))
 
 
-def _adaptive(model, method, params, encoded, rng, vocab_ids, *, width):
+def _adaptive(model, method, params, encoded, vocab_ids, *, width):
     return _result(refinement.adaptive(model, params, encoded, width=width,
                                      tokens_per_step=method.tokens_per_step,
-                                     criterion=method.criterion, vocab_ids=vocab_ids))
+                                     vocab_ids=vocab_ids))
 
 
 def _result(result: Any) -> dict[str, jax.Array]:
@@ -274,8 +271,6 @@ class Translator:
       method: what to run.
       batch_size: rows of every decoder call (sentences are decoded this many at a time).
       boundaries: the length buckets (default: the artifact's).
-      seed: the key of `init="random"` (the same key for every batch, so a sentence decoded
-        at batch size 1 always gets the same initial hypothesis).
       rescorer: the model that picks among the candidates of a rescored kind
         (`DecodeMethod.rescorer`: the teacher); default the one `loaded` was trained from
         (`upstream`: the teacher that distilled its data). None for the other kinds.
@@ -284,7 +279,7 @@ class Translator:
     """
 
     def __init__(self, loaded: LoadedModel, method: DecodeMethod, *, batch_size: int,
-                 boundaries: Optional[Sequence[int]] = None, seed: int = 0,
+                 boundaries: Optional[Sequence[int]] = None,
                  rescorer: Optional[LoadedModel] = None,
                  ctranslate2_threads: Optional[ctranslate2_search.Threads] = None):
         if method.stage != loaded.stage:
@@ -309,7 +304,6 @@ class Translator:
         if self.boundaries[-1] > min(config.max_source_len, config.max_target_len):
             raise ValueError(f"bucket {self.boundaries[-1]} is wider than the model's "
                              f"max_source_len/max_target_len")
-        self._rng = jax.random.key(seed)
         self._shortlist = shortlist_table(loaded) if method.shortlist else None
         self._ctranslate2 = (
             ctranslate2_search.Search(loaded, method, threads=ctranslate2_threads,
@@ -322,11 +316,10 @@ class Translator:
             TRACES[trace_key] += 1  # a Python side effect: runs once per trace
             return _encode_batch(self._model, method, params, source, max_len=max_len)
 
-        def search(params, encoded, rng, vocab_ids, *, width):
+        def search(params, encoded, vocab_ids, *, width):
             columns = loaded.model.vocab_size if vocab_ids is None else vocab_ids.shape[0]
             WIDTH_TRACES[trace_key + (width, columns)] += 1
-            return _search_batch(self._model, method, params, encoded, rng, vocab_ids,
-                                 width=width)
+            return _search_batch(self._model, method, params, encoded, vocab_ids, width=width)
 
         self._jit_encode = jax.jit(encode, static_argnames=("max_len",))
         self._jit_search = jax.jit(search, static_argnames=("width",))
@@ -400,7 +393,7 @@ class Translator:
         vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)
         chosen_at = time.perf_counter()
         output = jax.block_until_ready(
-            self._jit_search(self._params, encoded, self._rng, vocab_ids, width=width))
+            self._jit_search(self._params, encoded, vocab_ids, width=width))
         done = time.perf_counter()
         columns = self.loaded.model.vocab_size if vocab_ids is None else len(vocab_ids)
         return (output, done - started, encoded_at - started, done - chosen_at, width,

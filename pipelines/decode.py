@@ -238,7 +238,7 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
             for folder, name, batch_size, examples in passes:
                 handler = TranslationModelHandler(
                     checkpoints[method.stage], method, batch_size=batch_size,
-                    boundaries=boundaries, seed=config.seed,
+                    boundaries=boundaries,
                     rescorer_uri=checkpoints.get(method.rescorer),
                     ctranslate2_threads=ctranslate2_threads.get((method.name, name)))
                 first = folder == HYPOTHESES and method is settings.methods[0]

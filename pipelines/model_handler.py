@@ -2,7 +2,7 @@
 student).
 
     handler = TranslationModelHandler(artifact_uri, DecodeMethod("ar_beam4", "ar_beam"),
-                                      batch_size=64, boundaries=(16, 32, 64), seed=0)
+                                      batch_size=64, boundaries=(16, 32, 64))
     (pcoll_of_id_and_source_text
      | RunInference(KeyedModelHandler(handler))     # -> (id, PredictionResult)
      | beam.MapTuple(lambda pair_id, result: ...))   # result.inference: a dict, below
@@ -60,7 +60,6 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
       method: the decoding method.
       batch_size: sentences per decoder call (and per RunInference batch).
       boundaries: the length buckets; default: those of the artifact's config.
-      seed: the key of `init="random"` (model/translator.py).
       expected_sentences: how many sentences the job translates in all, for the ETA in the
         progress log (None: rate only).
       rescorer_uri: a published artifact of the method's rescorer stage (`teacher`), for a
@@ -70,7 +69,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
-                 boundaries: Optional[Sequence[int]] = None, seed: int = 0,
+                 boundaries: Optional[Sequence[int]] = None,
                  expected_sentences: Optional[int] = None,
                  rescorer_uri: Optional[str] = None,
                  ctranslate2_threads: Optional[Mapping[str, int]] = None):
@@ -79,7 +78,6 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         self._method = method
         self._batch_size = batch_size
         self._boundaries = tuple(boundaries) if boundaries else None
-        self._seed = seed
         self._expected = expected_sentences
         self._rescorer_uri = rescorer_uri
         self._ctranslate2_threads = ctranslate2_threads
@@ -96,7 +94,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
                     else None)
         return translator.Translator(
             trained_model.load_cached(self._artifact_uri), self._method,
-            batch_size=self._batch_size, boundaries=self._boundaries, seed=self._seed,
+            batch_size=self._batch_size, boundaries=self._boundaries,
             rescorer=rescorer,
             ctranslate2_threads=(ctranslate2_search.Threads(**self._ctranslate2_threads)
                                  if self._ctranslate2_threads else None))

@@ -108,7 +108,7 @@ def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
         assert decoder.stage in ("teacher", "student") and set(decoder.options) <= fields, kind
     assert {name for name in vars(flags) if name in fields} == fields  # one flag per option
     assert cli.build_parser().parse_args(
-        ["translate", "--checkpoint", "c", "--length-offsets=-1,0,1", "--init", "random",
+        ["translate", "--checkpoint", "c", "--length-offsets=-1,0,1",
          "--length-candidates", "2"]).length_offsets == (-1, 0, 1)
 
 
@@ -496,12 +496,12 @@ def test_the_report_names_each_methods_setting():
             "beam 8, length penalty 1",
         DecodeMethod("p", "padir"): "iterations 4, 1 length candidate x offsets (0)",
         DecodeMethod("p3", "padir", iterations=10, num_length_candidates=3,
-                     length_offsets=(-1, 0, 1), init="random"):
-            "iterations 10, 3 length candidates x offsets (-1, 0, 1), init random",
+                     length_offsets=(-1, 0, 1)):
+            "iterations 10, 3 length candidates x offsets (-1, 0, 1)",
         DecodeMethod("m", "mask_predict", iterations=10, shortlist=True):
             "iterations 10, 1 length candidate x offsets (0), shortlist",
-        DecodeMethod("a", "adaptive", tokens_per_step=1, criterion="top_prob"):
-            "1 token per pass by top_prob, 1 length candidate x offsets (0)",
+        DecodeMethod("a", "adaptive", tokens_per_step=1):
+            "1 token per pass by margin, 1 length candidate x offsets (0)",
     }
     assert {m.name: report.describe_setting(m) for m in settings} == {
         m.name: text for m, text in settings.items()}

@@ -117,11 +117,10 @@ def test_accept_predictions_rejects_reserved_and_remasks_stutter():
     np.testing.assert_array_equal(hypothesis, [[7, 31, 32, 33, 9, 35, 10, EOS_ID]])
 
 
-@pytest.mark.parametrize("init", ["mask", "random"])
-def test_refine_with_an_oracle_converges_after_one_pass_and_one_confirming_pass(init):
+def test_refine_with_an_oracle_converges_after_one_pass_and_one_confirming_pass():
     result = _decode(
         refinement.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
-        length_offsets=(-1, 0, 1), max_iterations=4, init=init, rng=jax.random.key(0))
+        length_offsets=(-1, 0, 1), max_iterations=4)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.lengths, [3, 6, 8])
     np.testing.assert_array_equal(result.passes, [2, 2, 2])  # every pass that ran
@@ -181,26 +180,22 @@ def test_lowest_ranked_selects_per_row_counts_among_candidates():
     np.testing.assert_array_equal(chosen, [[1, 1, 1, 1, 0], [1, 0, 1, 0, 1]])
 
 
-@pytest.mark.parametrize("criterion", ["top_prob", "margin"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_adaptive_unmasks_k_per_pass(criterion, k):
+def test_adaptive_unmasks_k_per_pass(k):
     result = _decode(
         refinement.adaptive, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
-        length_offsets=(0,), tokens_per_step=k, criterion=criterion)
+        length_offsets=(0,), tokens_per_step=k)
     np.testing.assert_array_equal(result.tokens, REFERENCE)
     np.testing.assert_array_equal(result.passes, [math.ceil(n / k) for n in (2, 5, 7)])
 
 
-def test_certainty_criteria_disagree_where_they_should():
+def test_certainty_is_the_margin_between_the_two_best_real_pieces():
     probs = np.full((1, 2, VOCAB), 1e-6)
     probs[0, 0, [7, 8]] = [0.50, 0.45]  # top 0.50, margin 0.05
     probs[0, 1, [7, 8, 9]] = [0.40, 0.05, 0.05]  # top 0.40, margin 0.35
     probs[0, 0, EOS_ID] = probs[0, 1, EOS_ID] = 0.5  # mass on EOS is ignored
     log_probs = jnp.log(jnp.asarray(probs, jnp.float32))
-    np.testing.assert_allclose(refinement.certainty(log_probs, "top_prob"), [[0.5, 0.4]], atol=1e-5)
-    np.testing.assert_allclose(refinement.certainty(log_probs, "margin"), [[0.05, 0.35]], atol=1e-5)
-    with pytest.raises(ValueError, match="criterion"):
-        refinement.certainty(log_probs, "entropy")
+    np.testing.assert_allclose(refinement.certainty(log_probs), [[0.05, 0.35]], atol=1e-5)
 
 
 def test_refine_traces_once_per_shape_and_settings():
@@ -217,9 +212,9 @@ def test_refine_traces_once_per_shape_and_settings():
 
 
 def test_arguments_are_validated():
-    with pytest.raises(ValueError, match="rng"):
+    with pytest.raises(ValueError, match="max_iterations"):
         _decode(refinement.refine, ORACLE, _calm(3), REFERENCE, num_length_candidates=1,
-                length_offsets=(0,), max_iterations=2, init="random")
+                length_offsets=(0,), max_iterations=0)
     with pytest.raises(ValueError, match="num_length_candidates"):
         refinement.predict_candidates(ORACLE, _calm(3), REFERENCE, num_length_candidates=8,
                                     length_offsets=(0,))
@@ -242,18 +237,15 @@ def trained():
 
 
 DECODERS = {
-    "refine_mask": lambda m, p, s: _decode(
+    "refine": lambda m, p, s: _decode(
         refinement.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         max_iterations=4),
-    "refine_random": lambda m, p, s: _decode(
-        refinement.refine, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
-        max_iterations=4, init="random", rng=jax.random.key(3)),
     "mask_predict": lambda m, p, s: _decode(
         refinement.mask_predict, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
         iterations=3),
     "adaptive": lambda m, p, s: _decode(
         refinement.adaptive, m, p, s, num_length_candidates=2, length_offsets=(-1, 0, 1),
-        tokens_per_step=2, criterion="margin"),
+        tokens_per_step=2),
 }
 
 
@@ -306,7 +298,7 @@ def test_output_width_is_the_longest_candidate_on_a_ladder_of_8():
 ALL_DECODERS = {
     "refine": (refinement.refine, dict(max_iterations=3)),
     "mask_predict": (refinement.mask_predict, dict(iterations=2)),
-    "adaptive": (refinement.adaptive, dict(tokens_per_step=2, criterion="margin")),
+    "adaptive": (refinement.adaptive, dict(tokens_per_step=2)),
 }
 
 
