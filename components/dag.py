@@ -34,36 +34,36 @@ class StageSpec:
     inputs: tuple[str, ...]  # upstream stages whose artifacts it reads (see `inputs`)
     # "module:function" that computes it, imported only when the stage runs (Beam, JAX and
     # TF are heavy, and this module sits below them). A Beam stage's function takes
-    # `(config, beam_args=...)`, the others `(config)`; flows/stages.py calls it.
+    # `(config, pipeline_args=...)`, the others `(config)`; flows/stages.py calls it.
     entry: str
-    beam: bool  # a Beam job: takes pipeline flags, runs standalone on Dataflow
+    pipeline_job: bool  # a Beam job: takes pipeline flags, runs standalone on Dataflow
 
 
 STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(sections=("data", "prepare", "seed"), inputs=(),
-                         entry="pipelines.prepare:run", beam=True),
+                         entry="pipelines.prepare:run", pipeline_job=True),
     "vocab": StageSpec(sections=("vocab", "seed"), inputs=("prepare",),
-                       entry="pipelines.vocab:run", beam=True),
+                       entry="pipelines.vocab:run", pipeline_job=True),
     "encode": StageSpec(sections=("encode",), inputs=("prepare", "vocab"),
-                        entry="pipelines.encode:run", beam=True),
+                        entry="pipelines.encode:run", pipeline_job=True),
     "teacher": StageSpec(sections=("teacher", "seed"), inputs=("prepare", "vocab", "encode"),
-                         entry="pipelines.teacher:run", beam=False),
+                         entry="pipelines.teacher:run", pipeline_job=False),
     "distill": StageSpec(sections=("distill",), inputs=("prepare", "teacher"),
-                         entry="pipelines.distill:run", beam=True),
+                         entry="pipelines.distill:run", pipeline_job=True),
     "encode_distilled": StageSpec(sections=("encode",), inputs=("distill", "vocab"),
-                                  entry="pipelines.encode_distilled:run", beam=True),
+                                  entry="pipelines.encode_distilled:run", pipeline_job=True),
     # Read "encode" as registered here; `inputs` swaps in the distilled pairs when enabled.
     "student": StageSpec(sections=("student", "seed"), inputs=("prepare", "vocab", "encode"),
-                         entry="pipelines.student:run", beam=False),
+                         entry="pipelines.student:run", pipeline_job=False),
     "ar_student": StageSpec(sections=("ar_student", "seed"),
                             inputs=("prepare", "vocab", "encode"),
-                            entry="pipelines.ar_student:run", beam=False),
+                            entry="pipelines.ar_student:run", pipeline_job=False),
     # Reads "ar_student" only when a method decodes with it (`inputs`).
     "decode": StageSpec(sections=("decode",),
                         inputs=("prepare", "vocab", "teacher", "student", "ar_student"),
-                        entry="pipelines.decode:run", beam=True),
+                        entry="pipelines.decode:run", pipeline_job=True),
     "score": StageSpec(sections=(), inputs=("prepare", "decode"),
-                       entry="pipelines.score:run", beam=False),
+                       entry="pipelines.score:run", pipeline_job=False),
 }
 DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
 STUDENTS = ("student", "ar_student")  # train on `student_data`, may start from the teacher

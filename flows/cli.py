@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ARTIFACT_COMMANDS[args.command](args)
         config = datasets.load_config(args.config, args.set, reads_corpora=_reads_corpora(args))
         if args.command == "stage":
-            artifact = stages.run_stage(args.name, config, beam_args=extra)
+            artifact = stages.run_stage(args.name, config, pipeline_args=extra)
             print(f"{args.name}: {artifact.uri}")
         elif extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

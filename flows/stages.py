@@ -20,14 +20,14 @@ def entry_point(name: str):
 
 
 def run_stage(name: str, config: config_lib.Config,
-              beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+              pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes one stage from its (complete) inputs and returns its artifact.
 
     Raises:
-      config_lib.ConfigError: `beam_args` given to a stage that is not a Beam job.
+      config_lib.ConfigError: `pipeline_args` given to a stage that is not a Beam job.
     """
-    if dag.STAGES[name].beam:
-        return entry_point(name)(config, beam_args=beam_args)
-    if beam_args:
-        raise config_lib.ConfigError(f"stage {name} is not a Beam job: unexpected {beam_args}")
+    if dag.STAGES[name].pipeline_job:
+        return entry_point(name)(config, pipeline_args=pipeline_args)
+    if pipeline_args:
+        raise config_lib.ConfigError(f"stage {name} is not a Beam job: unexpected {pipeline_args}")
     return entry_point(name)(config)

@@ -321,7 +321,7 @@ def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
                            for name, record in sweeps.items()])
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Decodes every test set with every method; publishes the decode artifact."""
     prepared = dag.require_input(config, "prepare")
     for split in decoded_splits(config.data):  # structural errors before any work starts
@@ -343,7 +343,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
                                    for regime in ("batched", "latency")})
 
     return job.run(
-        config, "decode", beam_args, inputs={"prepare": prepared, **checkpoints},
+        config, "decode", pipeline_args, inputs={"prepare": prepared, **checkpoints},
         build=build_job, namespace=NAMESPACE, counter_names=counter_names(config),
         finish=functools.partial(finish, config, sweeps))
 

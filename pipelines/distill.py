@@ -239,7 +239,7 @@ def finish(out: artifacts.PendingArtifact, finished: job.Finished) -> None:
                                        if stats["decode_seconds"] else None)})
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Translates the prepared train split with the teacher; publishes the distill artifact."""
     prepared = dag.require_input(config, "prepare")
     teacher = dag.require_input(config, "teacher")
@@ -248,7 +248,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     corpus.split_files(prepared.uri, corpus.DEV)
     tokenizer = tokenizer_lib.Tokenizer.for_artifact(teacher)
     return job.run(
-        config, "distill", beam_args, inputs={"prepare": prepared, "teacher": teacher},
+        config, "distill", pipeline_args, inputs={"prepare": prepared, "teacher": teacher},
         build=lambda pipeline, output_uri: build(
             pipeline, config, prepared_uri=prepared.uri, teacher_uri=teacher.uri,
             tokenizer=tokenizer, num_shards=len(train_shards), output_uri=output_uri,

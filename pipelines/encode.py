@@ -228,13 +228,13 @@ def finish(out: artifacts.PendingArtifact, finished: job.Finished) -> None:
 PAIRS = {"encode": "prepare", "encode_distilled": "distill"}
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the encode artifact from the complete prepare and vocab artifacts."""
-    return run_stage(config, "encode", beam_args)
+    return encode_pairs(config, "encode", pipeline_args)
 
 
-def run_stage(config: config_lib.Config, stage: str,
-              beam_args: Sequence[str]) -> artifacts.Artifact:
+def encode_pairs(config: config_lib.Config, stage: str,
+                 pipeline_args: Sequence[str]) -> artifacts.Artifact:
     """Runs this job as `stage` ("encode" or "encode_distilled") on that stage's pairs."""
     pairs = dag.require_input(config, PAIRS[stage])
     vocab = dag.require_input(config, "vocab")
@@ -243,7 +243,7 @@ def run_stage(config: config_lib.Config, stage: str,
     patterns = {split: corpus.split_pattern(pairs.uri, split) for split in records.SPLITS}
     tokenizer = tokenizer_lib.Tokenizer.for_artifact(vocab)
     return job.run(
-        config, stage, beam_args, inputs={pairs.stage: pairs, "vocab": vocab},
+        config, stage, pipeline_args, inputs={pairs.stage: pairs, "vocab": vocab},
         build=lambda pipeline, output_uri: build(
             pipeline, config, inputs=patterns, tokenizer=tokenizer, output_uri=output_uri),
         namespace=NAMESPACE, counter_names=COUNTER_NAMES, finish=finish)

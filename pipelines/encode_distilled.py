@@ -22,10 +22,10 @@ from components import config as config_lib
 from pipelines import encode, options as options_lib
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the `encode_distilled` artifact (the student's training data) from the
     complete distill artifact and vocab."""
-    return encode.run_stage(config, "encode_distilled", beam_args)
+    return encode.encode_pairs(config, "encode_distilled", pipeline_args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

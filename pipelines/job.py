@@ -1,9 +1,9 @@
 """Running one Beam stage: the sequence every job's `run` shares.
 
-A job's `run(config, beam_args)` finds and checks its inputs (a missing one fails before
+A job's `run(config, pipeline_args)` finds and checks its inputs (a missing one fails before
 anything is written), then hands the rest to `job.run`:
 
-    return job.run(config, "distill", beam_args, inputs={"prepare": prepared, ...},
+    return job.run(config, "distill", pipeline_args, inputs={"prepare": prepared, ...},
                    build=lambda pipeline, output_uri: build(pipeline, config, ...),
                    namespace=NAMESPACE, counter_names=COUNTER_NAMES, finish=finish)
 
@@ -76,7 +76,7 @@ class Finished:
     seconds: float  # from submitting it until it finished
 
 
-def run(config: config_lib.Config, stage: str, beam_args: Sequence[str], *,
+def run(config: config_lib.Config, stage: str, pipeline_args: Sequence[str], *,
         inputs: Mapping[str, artifacts.Artifact],
         build: Callable[[beam.Pipeline, str], None],
         namespace: str, counter_names: Iterable[str],
@@ -96,7 +96,7 @@ def run(config: config_lib.Config, stage: str, beam_args: Sequence[str], *,
                          config=dag.section_values(config, stage),
                          config_yaml=config_lib.dump(config),
                          inputs={name: artifact.uri for name, artifact in inputs.items()}) as out:
-        pipeline = beam.Pipeline(options=options.pipeline_options(config, beam_args))
+        pipeline = beam.Pipeline(options=options.pipeline_options(config, pipeline_args))
         build(pipeline, out.tmp_uri)
         started = time.perf_counter()
         result = pipeline.run()

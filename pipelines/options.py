@@ -31,14 +31,15 @@ def parse_args(argv: Sequence[str] | None, description: str,
     parser.add_argument("--config", required=True, help="experiment YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set vocab.size=4000")
-    known, beam_args = parser.parse_known_args(argv)
+    known, pipeline_args = parser.parse_known_args(argv)
     config = datasets.load_config(known.config, known.set, reads_corpora=reads_corpora)
-    return config, beam_args
+    return config, pipeline_args
 
 
-def pipeline_options(config: config_lib.Config, beam_args: Sequence[str] = ()) -> PipelineOptions:
+def pipeline_options(config: config_lib.Config,
+                     pipeline_args: Sequence[str] = ()) -> PipelineOptions:
     """Config defaults first, command-line flags last (argparse keeps the last value)."""
-    flags = [f"--runner={config.runner.name}", *config.runner.options, *beam_args]
+    flags = [f"--runner={config.runner.name}", *config.runner.options, *pipeline_args]
     return PipelineOptions(flags)
 
 
@@ -49,9 +50,9 @@ def main(run: Callable, argv: Sequence[str] | None, description: str) -> int:
     logs.configure()
     job = run.__module__.rsplit(".", 1)[-1]
     try:
-        config, beam_args = parse_args(argv, description=description.splitlines()[0],
-                                       reads_corpora=job == "prepare")
-        artifact = run(config, beam_args=beam_args)
+        config, pipeline_args = parse_args(argv, description=description.splitlines()[0],
+                                           reads_corpora=job == "prepare")
+        artifact = run(config, pipeline_args=pipeline_args)
     except USER_ERRORS as e:
         print(f"{job}: error: {logs.redact(str(e))}", file=sys.stderr)
         return 2

@@ -248,7 +248,7 @@ def finish(config: config_lib.Config, out: artifacts.PendingArtifact,
         split: counts[f"kept.{split}"] for split in corpus.output_splits(config.data)}
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Checks the inputs, runs the job and publishes its artifact (see module docstring).
 
     Raises:
@@ -257,7 +257,7 @@ def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.A
     """
     for spec in corpus.corpus_specs(config.data, config.prepare):  # before anything is written
         logging.info("prepare: %s has %d lines", spec.split, corpus.check_corpus(spec))
-    return job.run(config, "prepare", beam_args, inputs={},
+    return job.run(config, "prepare", pipeline_args, inputs={},
                    build=lambda pipeline, output_uri: build(pipeline, config, output_uri),
                    namespace=NAMESPACE, counter_names=counter_names(config),
                    finish=functools.partial(finish, config))

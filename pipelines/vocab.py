@@ -288,12 +288,12 @@ def _fetch(uri: str, local_path: str) -> None:
     fs.get_file(path, local_path)
 
 
-def piece_length_stats(config: config_lib.Config, beam_args: Sequence[str],
+def piece_length_stats(config: config_lib.Config, pipeline_args: Sequence[str],
                        tokenizer: tokenizer_lib.Tokenizer, langs: tuple[str, str],
                        input_pattern: str, output_uri: str) -> tuple[int, dict]:
     """Runs the piece-length job (`build_piece_lengths`) to the end: pieces per sentence
     (mean, p95) per language; also returns the number of pairs."""
-    pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, beam_args))
+    pipeline = beam.Pipeline(options=options_lib.pipeline_options(config, pipeline_args))
     build_piece_lengths(pipeline, tokenizer, langs, input_pattern, output_uri)
     result = pipeline.run()
     result.wait_until_finish()
@@ -307,7 +307,7 @@ def piece_length_stats(config: config_lib.Config, beam_args: Sequence[str],
     return num_pairs, {lang: summarise_lengths(h) for lang, h in histograms.items()}
 
 
-def finish(config: config_lib.Config, beam_args: Sequence[str], prepared: artifacts.Artifact,
+def finish(config: config_lib.Config, pipeline_args: Sequence[str], prepared: artifacts.Artifact,
            out: artifacts.PendingArtifact, finished: job.Finished) -> None:
     """Trains SentencePiece on the word counts and runs the piece-length job with it; the
     manifest gets the counts and the model's figures on the prepared train and dev splits."""
@@ -320,7 +320,7 @@ def finish(config: config_lib.Config, beam_args: Sequence[str], prepared: artifa
     if langs[0] == langs[1]:  # the metrics are keyed by language
         langs = (f"{langs[0]}-source", f"{langs[1]}-target")
     train_pairs, pieces = piece_length_stats(
-        config, beam_args, tokenizer, langs, corpus.split_pattern(prepared.uri, corpus.TRAIN),
+        config, pipeline_args, tokenizer, langs, corpus.split_pattern(prepared.uri, corpus.TRAIN),
         out.path(PIECE_LENGTHS_FILE))
     dev_pairs, dev = coverage_stats(tokenizer, stream_split(prepared, corpus.DEV), langs)
     out.counts.update(
@@ -359,18 +359,18 @@ def _train_sentencepiece(config: config_lib.Config, out: artifacts.PendingArtifa
     return model_bytes
 
 
-def run(config: config_lib.Config, beam_args: Sequence[str] = ()) -> artifacts.Artifact:
+def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
     """Recomputes the vocab artifact from the complete prepare artifact; returns it."""
     prepared = dag.require_input(config, "prepare")
     for split in (corpus.TRAIN, corpus.DEV):  # structural errors before any work starts
         corpus.split_files(prepared.uri, split)
     return job.run(
-        config, "vocab", beam_args, inputs={"prepare": prepared},
+        config, "vocab", pipeline_args, inputs={"prepare": prepared},
         build=lambda pipeline, output_uri: build(
             pipeline, config, corpus.split_pattern(prepared.uri, corpus.TRAIN),
             artifacts.join(output_uri, WORD_COUNTS_FILE)),
         namespace=NAMESPACE, counter_names=("words", "distinct_words"),
-        finish=functools.partial(finish, config, beam_args, prepared))
+        finish=functools.partial(finish, config, pipeline_args, prepared))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

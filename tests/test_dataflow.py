@@ -124,8 +124,8 @@ def test_the_overlay_targets_dataflow_with_the_project_container(config):
     assert isinstance(_dataflow_pipeline(config).runner, DataflowRunner)
 
 
-def test_every_beam_job_builds_and_serialises_for_dataflow(config, prepared, tokenizer,
-                                                          tmp_path):
+def test_every_pipeline_job_builds_and_serialises_for_dataflow(config, prepared, tokenizer,
+                                                              tmp_path):
     jobs = _build_all(config, prepared, tokenizer)
     protos = {}
     for stage, pipeline in jobs.items():

@@ -202,7 +202,8 @@ def test_padir_data_fetch_without_a_data_root_fills_the_cache(local_copy, serve,
     assert capsys.readouterr().out.split()[0] == str(root / sorted(DEMO_FILES)[0])
 
 
-def test_a_beam_job_alone_falls_back_to_the_cache_as_padir_does(tmp_path, monkeypatch, capsys):
+def test_a_pipeline_job_alone_falls_back_to_the_cache_as_padir_does(tmp_path, monkeypatch,
+                                                                    capsys):
     """`python -m pipelines.NAME` without PADIR_DATA_ROOT reads the cache, as `padir` does
     (`datasets.load_config`, which both call): prepare fetches what the config names there
     first, a job that does not read the raw corpora fetches nothing."""
@@ -211,7 +212,7 @@ def test_a_beam_job_alone_falls_back_to_the_cache_as_padir_does(tmp_path, monkey
     fetched, ran = [], []
     monkeypatch.setattr(datasets, "fetch_all", lambda names, root: fetched.append((names, root)))
 
-    def run(config, beam_args):  # the job's graph is not what this test is about
+    def run(config, pipeline_args):  # the job's graph is not what this test is about
         ran.append(config)
         return type("Artifact", (), {"stage": "prepare", "uri": "u"})
 

@@ -42,7 +42,7 @@ class FakeStages:
         self.calls: list[str] = []
         self.errors: dict[str, list[BaseException]] = {}
 
-    def __call__(self, name, config, beam_args=()):
+    def __call__(self, name, config, pipeline_args=()):
         self.calls.append(name)
         inputs = {up: dag.require_input(config, up).uri for up in dag.inputs(config, name)}
         with artifacts.write(config.workdir, name, dag.stage_key(config, name),
@@ -143,9 +143,9 @@ def test_the_flow_runs_every_stage_then_reuses_them_all(tmp_path, monkeypatch):
     config_path.write_text(config_lib.dump(config))
     ran = []
 
-    def spy(name, config, beam_args=(), run_stage=stages_lib.run_stage):
+    def spy(name, config, pipeline_args=(), run_stage=stages_lib.run_stage):
         ran.append(name)
-        return run_stage(name, config, beam_args)
+        return run_stage(name, config, pipeline_args)
 
     monkeypatch.setattr(stages_lib, "run_stage", spy)
     order = order_of(str(config_path))

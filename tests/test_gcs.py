@@ -249,8 +249,8 @@ def _cli(env, *args, **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, **kwargs)
 
 
-def test_a_beam_stage_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(gcs_faults,
-                                                                                tmp_path):
+def test_a_pipeline_job_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(gcs_faults,
+                                                                                  tmp_path):
     gcs, _ = gcs_faults
     config = _gs_config(gcs, tmp_path)
     path = tmp_path / "gs.yaml"

@@ -224,7 +224,7 @@ def test_main_reports_bad_input_in_one_line(tmp_path, capsys):
 
 def test_main_reports_a_lost_lease_in_one_line_with_exit_status_3(tmp_path, monkeypatch,
                                                                  capsys):
-    def lose_the_lease(config, beam_args=()):
+    def lose_the_lease(config, pipeline_args=()):
         raise artifacts.LeaseLost("prepare/k1: its lease was taken over; published nothing")
 
     lose_the_lease.__module__ = prepare.__name__

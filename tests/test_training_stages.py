@@ -82,9 +82,9 @@ def test_a_stage_refuses_to_run_without_its_inputs(config, tmp_path):
         run_stage("teacher", lonely)
 
 
-def test_training_stages_take_no_beam_flags(config):
+def test_training_stages_take_no_pipeline_flags(config):
     with pytest.raises(config_lib.ConfigError, match="not a Beam job"):
-        run_stage("teacher", config, beam_args=["--runner=DataflowRunner"])
+        run_stage("teacher", config, pipeline_args=["--runner=DataflowRunner"])
 
 
 def test_the_students_dev_curve_covers_both_phases(config):

@@ -52,7 +52,7 @@ def _tiny_config(**sections) -> config_lib.Config:
     return config_lib.from_dict(config_lib.Config, data)
 
 
-def test_workers_from_beam_options(plan):
+def test_workers_from_pipeline_options(plan):
     wmt = plan.load_config(os.path.join(ROOT, "configs/overlays/wmt14.yaml"), ())
     assert plan.workers(wmt.runner.options) == plan.Workers(32, "n1-standard-1", 1)
     options = ["--max_num_workers=4", "--machine_type=n2-standard-8", "--max_num_workers=10"]
