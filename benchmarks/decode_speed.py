@@ -28,7 +28,7 @@ with a note.
         [--json report.json] [--pass-profile]
 
 Other models or settings through `--set`: `--set workdir=/elsewhere` reads the artifacts
-of another run of the config; `--set 'decode.methods=[{"name": "p", "kind": "padir",
+of another run of the config; `--set 'decode.methods=[{"name": "p", "kind": "refine",
 "length_offsets": [0]}, ...]'` measures other decoding settings on the same checkpoints.
 """
 
@@ -516,7 +516,7 @@ def print_pass_profiles(pairs: Sequence[dict], known: dict, translators: dict,
     of its median width, and `ar_step_profile` of the first `ar_greedy` method on the same
     sentence (by its median steps when no PaDIR method ran)."""
     names = list(translators)
-    padir = [n for n in [focus] + names if n in translators and known[n].kind == "padir"]
+    padir = [n for n in [focus] + names if n in translators and known[n].kind == "refine"]
     greedy = [n for n in names if known[n].kind == "ar_greedy"]
     if not padir and not greedy:
         print("\nno padir or ar_greedy method measured: no pass profile")

@@ -60,11 +60,11 @@ import numpy as np
 from components import config as config_lib
 from components.config import DecodeMethod
 
-PADIR_4 = DecodeMethod("padir_4", "padir", iterations=4)  # also the budget line's decoding
+PADIR_4 = DecodeMethod("padir_4", "refine", iterations=4)  # also the budget line's decoding
 METHODS = (
     DecodeMethod("ar_greedy", "ar_greedy"),
     DecodeMethod("ar_beam4", "ar_beam", beam_size=4),
-    DecodeMethod("padir_1", "padir", iterations=1),
+    DecodeMethod("padir_1", "refine", iterations=1),
     PADIR_4,
     DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
     # The student drafts, the teacher verifies: the teacher's greedy output in fewer

@@ -174,7 +174,7 @@ def dev_figures(config: config_lib.Config, student_uri: str,
     lang = config.data.target_lang
     figures: dict[str, Any] = {"dev_sentences": len(pairs)}
     for name, method in (
-            ("padir_4", config_lib.DecodeMethod("padir_4", "padir", iterations=4)),
+            ("padir_4", config_lib.DecodeMethod("padir_4", "refine", iterations=4)),
             ("mask_predict_10", config_lib.DecodeMethod("mask_predict_10", "mask_predict",
                                                         iterations=10))):
         decoded = translator.Translator(loaded, method, batch_size=64,

@@ -474,7 +474,7 @@ TRAINING_STAGES = (*AR_STAGES, "student")
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoder:
+class DecodingKind:
     """What the pipeline needs to know of a decoding kind without running it (its search
     is `model/translator.py: SEARCHES[kind]`)."""
 
@@ -483,28 +483,33 @@ class Decoder:
     stage: str
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
     rescorer: Optional[str] = None  # the training stage whose model picks among its candidates
+    # Its output may reach the cap (AR search, drafts that grow), rather than ending within
+    # the student's predicted lengths: it decodes into the cap's width.
+    to_the_cap: bool = False
 
 
 # Decoding kinds: config validation, `padir translate`'s flags and inference all read this.
-DECODERS: dict[str, Decoder] = {
-    "ar_greedy": Decoder("teacher", ("shortlist", "model")),
-    "ar_beam": Decoder("teacher", ("beam_size", "length_penalty", "shortlist", "model")),
-    "padir": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
-                                 "shortlist")),
-    "padir_rescored": Decoder("student", ("iterations", "num_length_candidates",
-                                          "length_offsets", "shortlist"),
-                              rescorer="teacher"),
-    "mask_predict": Decoder("student", ("iterations", "num_length_candidates", "length_offsets",
-                                        "shortlist")),
-    "adaptive": Decoder("student", ("tokens_per_step", "num_length_candidates",
-                                    "length_offsets", "shortlist")),
-    "draft_verify": Decoder("student", ("iterations", "tolerance_top_k", "tolerance_margin",
-                                        "shortlist"), rescorer="teacher"),
-    "ct2_greedy": Decoder("teacher", ("compute_type", "shortlist", "model")),
-    "ct2_beam": Decoder("teacher", ("beam_size", "length_penalty", "compute_type", "shortlist",
-                                    "model")),
+DECODING_KINDS: dict[str, DecodingKind] = {
+    "ar_greedy": DecodingKind("teacher", ("shortlist", "model"), to_the_cap=True),
+    "ar_beam": DecodingKind("teacher", ("beam_size", "length_penalty", "shortlist", "model"),
+                            to_the_cap=True),
+    "refine": DecodingKind("student", ("iterations", "num_length_candidates", "length_offsets",
+                                       "shortlist")),
+    "refine_rescored": DecodingKind("student", ("iterations", "num_length_candidates",
+                                                "length_offsets", "shortlist"),
+                                    rescorer="teacher"),
+    "mask_predict": DecodingKind("student", ("iterations", "num_length_candidates",
+                                             "length_offsets", "shortlist")),
+    "adaptive": DecodingKind("student", ("tokens_per_step", "num_length_candidates",
+                                         "length_offsets", "shortlist")),
+    "draft_verify": DecodingKind("student", ("iterations", "tolerance_top_k",
+                                             "tolerance_margin", "shortlist"),
+                                 rescorer="teacher", to_the_cap=True),
+    "ct2_greedy": DecodingKind("teacher", ("compute_type", "shortlist", "model"),
+                               to_the_cap=True),
+    "ct2_beam": DecodingKind("teacher", ("beam_size", "length_penalty", "compute_type",
+                                         "shortlist", "model"), to_the_cap=True),
 }
-DECODE_KINDS = tuple(DECODERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,14 +518,15 @@ class DecodeMethod:
 
     The AR kinds (ar_*, ct2_*) decode with the AR model `model` names: the `teacher`
     (default) or the `ar_student`; the others with the PaDIR student (`student`). Each kind
-    reads only its options (`DECODERS`); giving another one a value other than its default
+    reads only its options (`DECODING_KINDS`); giving another one a value other than its default
     is an error, so a config never carries a knob that does nothing.
 
       ar_greedy     greedy search with a KV cache
       ar_beam       beam search: beam_size, length_penalty (GNMT exponent)
-      padir         refinement: iterations (the most passes; a sentence stops earlier at a
-                    fixed point), num_length_candidates x length_offsets
-      padir_rescored  padir's refinement of every length candidate, the candidate kept
+      refine        PaDIR's parallel iterative refinement: iterations (the most passes; a
+                    sentence stops earlier at a fixed point), num_length_candidates x
+                    length_offsets
+      refine_rescored  refine of every length candidate, the candidate kept
                     the one the teacher scores best (one teacher-forced pass; the decode
                     stage gives it the teacher)
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
@@ -546,7 +552,7 @@ class DecodeMethod:
     """
 
     name: str
-    kind: Literal[DECODE_KINDS]  # parsed against the table: an unknown kind names the key
+    kind: Literal[tuple(DECODING_KINDS)]  # parsed against the table: an unknown kind names the key
     iterations: int = 4
     beam_size: int = 4
     length_penalty: float = 0.6
@@ -564,11 +570,11 @@ class DecodeMethod:
         where = f"decode method {self.name!r}"
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name):
             raise ConfigError(f"{where}: a name of letters, digits, '_', '.', '-' only")
-        if self.kind not in DECODERS:  # also when built in code, not parsed
-            raise ConfigError(f"{where}: kind must be one of {list(DECODE_KINDS)}")
+        if self.kind not in DECODING_KINDS:  # also when built in code, not parsed
+            raise ConfigError(f"{where}: kind must be one of {list(DECODING_KINDS)}")
         if self.model not in AR_STAGES:
             raise ConfigError(f"{where}: model must be one of {list(AR_STAGES)}")
-        reads = DECODERS[self.kind].options
+        reads = DECODING_KINDS[self.kind].options
         for field in decode_options():
             if field.name not in reads and getattr(self, field.name) != field.default:
                 raise ConfigError(f"{where}: '{field.name}' does not apply to kind {self.kind} "
@@ -590,12 +596,12 @@ class DecodeMethod:
     @property
     def stage(self) -> str:
         """The training stage whose checkpoint this method decodes with."""
-        return self.model if "model" in DECODERS[self.kind].options else DECODERS[self.kind].stage
+        return self.model if "model" in DECODING_KINDS[self.kind].options else DECODING_KINDS[self.kind].stage
 
     @property
     def rescorer(self) -> Optional[str]:
         """The training stage whose model rescores this method's candidates, if any."""
-        return DECODERS[self.kind].rescorer
+        return DECODING_KINDS[self.kind].rescorer
 
 
 def decode_options() -> tuple[dataclasses.Field, ...]:
@@ -607,10 +613,10 @@ def decode_options() -> tuple[dataclasses.Field, ...]:
 DEFAULT_DECODE_METHODS: tuple[DecodeMethod, ...] = (
     DecodeMethod("ar_greedy", "ar_greedy"),
     DecodeMethod("ar_beam4", "ar_beam", beam_size=4),
-    DecodeMethod("padir_1", "padir", iterations=1),
-    DecodeMethod("padir_2", "padir", iterations=2),
-    DecodeMethod("padir_4", "padir", iterations=4),
-    DecodeMethod("padir_10", "padir", iterations=10),
+    DecodeMethod("padir_1", "refine", iterations=1),
+    DecodeMethod("padir_2", "refine", iterations=2),
+    DecodeMethod("padir_4", "refine", iterations=4),
+    DecodeMethod("padir_10", "refine", iterations=10),
     DecodeMethod("mask_predict_4", "mask_predict", iterations=4),
     DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
     DecodeMethod("adaptive_margin", "adaptive"),

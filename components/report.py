@@ -1,6 +1,6 @@
 """The score stage's report: quality and speed per test set and decoding method.
 
-    result = score_method("padir_4", "padir", records, references, throughput, timed,
+    result = score_method("padir_4", "refine", records, references, throughput, timed,
                           setting=describe_setting(method))   # method: config.DecodeMethod
     report = build_report({"test2016": [result, ...]})   # JSON-able dict
     markdown = render_markdown(report)
@@ -48,7 +48,7 @@ import statistics
 from typing import Any, Mapping, Optional, Sequence
 
 from components import artifacts, metrics
-from components.config import DECODERS, DecodeMethod
+from components.config import DECODING_KINDS, DecodeMethod
 
 BASELINE_KINDS = ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam")
 REGIMES = (("median", "batch 1 median"), ("p99", "batch 1 p99"), ("throughput", "batched"))
@@ -77,13 +77,13 @@ class MethodResult:
 
 
 def describe_setting(method: DecodeMethod) -> str:
-    """The settings a method's kind reads (`config.DECODERS`), in words, in that order:
+    """The settings a method's kind reads (`config.DECODING_KINDS`), in words, in that order:
     "greedy", "beam 4, length penalty 0.6", "iterations 4, 1 length candidate x offsets (0)",
     "2 tokens per pass by margin, 3 length candidates x offsets (-1, 0, 1)"; `init` only
     when it is not the default [MASK] ("init random"); the AR model only when it is not
     the teacher ("greedy, model ar_student"); "shortlist" last when it is on
     ("greedy, shortlist")."""
-    reads = DECODERS[method.kind].options
+    reads = DECODING_KINDS[method.kind].options
     words = []
     for option in reads:
         value = getattr(method, option)
@@ -113,7 +113,7 @@ def describe_setting(method: DecodeMethod) -> str:
         elif option not in ("shortlist", "model"):
             words.append(f"{option.replace('_', ' ')} {value}")
     words = words or [method.kind.replace("ar_", "")]
-    if method.stage != DECODERS[method.kind].stage:
+    if method.stage != DECODING_KINDS[method.kind].stage:
         words.append(f"model {method.stage}")
     return ", ".join(words + (["shortlist"] if method.shortlist else []))
 
@@ -415,7 +415,7 @@ def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
                 for stat, _ in REGIMES}
     lines = []
     for m in methods:
-        if DECODERS[m["kind"]].stage != "student" or not ar:
+        if DECODING_KINDS[m["kind"]].stage != "student" or not ar:
             continue
         bleu = m["bleu"]["score"]
         parts = []

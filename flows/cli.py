@@ -221,7 +221,7 @@ def _add_translate_command(commands) -> None:
     translate.add_argument("--checkpoint", required=True, metavar="DIR",
                            help="a published teacher, ar_student or student artifact, relative "
                                 "or absolute, e.g. work/multi30k_en_de/student/<key>")
-    translate.add_argument("--method", choices=config_lib.DECODE_KINDS,
+    translate.add_argument("--method", choices=tuple(config_lib.DECODING_KINDS),
                            help="default: padir for a student artifact, ar_beam for an AR one "
                                 "(teacher, ar_student)")
     hints = typing.get_type_hints(config_lib.DecodeMethod)
@@ -238,8 +238,8 @@ FLAG_NAMES = {"num_length_candidates": "--length-candidates"}
 def _add_decode_option(parser: argparse.ArgumentParser, field: dataclasses.Field,
                        annotation: Any) -> None:
     """The flag of one DecodeMethod option, typed by its annotation; its help names the
-    kinds that read it (`config_lib.DECODERS`), so a new option or kind needs no edit here."""
-    kinds = [kind for kind, decoder in config_lib.DECODERS.items()
+    kinds that read it (`config_lib.DECODING_KINDS`), so a new option or kind needs no edit here."""
+    kinds = [kind for kind, decoder in config_lib.DECODING_KINDS.items()
              if field.name in decoder.options]
     default = field.default
     if typing.get_origin(annotation) is tuple:  # tuple[int, ...]: comma-separated
@@ -271,10 +271,10 @@ def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: in
 def _translate(args: argparse.Namespace) -> int:
     checkpoint = absolute(args.checkpoint)
     stage = artifacts.read(checkpoint).stage
-    kind = args.method or ("ar_beam" if stage in config_lib.AR_STAGES else "padir")
+    kind = args.method or ("ar_beam" if stage in config_lib.AR_STAGES else "refine")
     options = {field.name: getattr(args, field.name) for field in config_lib.decode_options()
                if getattr(args, field.name) is not None}
-    if "model" in config_lib.DECODERS[kind].options and stage in config_lib.AR_STAGES:
+    if "model" in config_lib.DECODING_KINDS[kind].options and stage in config_lib.AR_STAGES:
         options.setdefault("model", stage)  # an AR kind decodes the AR artifact given
     method = config_lib.DecodeMethod(name=kind, kind=kind, **options)
     if method.stage != stage:  # before the checkpoint is restored

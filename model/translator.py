@@ -1,7 +1,7 @@
 """Translating text with a published training artifact: restore once, decode jitted.
 
     loaded = trained_model.load("work/multi30k_en_de/student/<key>")   # LoadedModel
-    translator = Translator(loaded, DecodeMethod("padir_4", "padir", iterations=4),
+    translator = Translator(loaded, DecodeMethod("padir_4", "refine", iterations=4),
                             batch_size=1, boundaries=loaded.boundaries)
     [t] = translator.translate(["A dog runs."])              # Translation
     t.hypothesis, t.score, t.passes, t.latency_s
@@ -44,14 +44,14 @@ not a latency a user would see).
 
 Decoder passes per sentence (the sequential decoder calls, which set the latency on an
 accelerator at batch 1): for the NAR kinds what `model.refinement` reports (the teacher's
-scoring pass counted for `padir_rescored`); for `draft_verify` rounds x (student passes per
+scoring pass counted for `refine_rescored`); for `draft_verify` rounds x (student passes per
 draft + the teacher's pass); for the AR kinds the hypothesis length counting EOS (the steps
 that produced it; beam search may run a few more steps before it knows no live beam can
 win, each over `beam_size` rows). Scores: the beam's length-penalised log-probability
 (`ar_beam`), the mean token log-probability of the chosen candidate (NAR kinds; under the
-teacher for `padir_rescored`), None for `ar_greedy` and `draft_verify`.
+teacher for `refine_rescored`), None for `ar_greedy` and `draft_verify`.
 
-Kinds with a second model (`DecodeMethod.rescorer`: `padir_rescored`, `draft_verify`)
+Kinds with a second model (`DecodeMethod.rescorer`: `refine_rescored`, `draft_verify`)
 decode with two: the student refines its candidates and the teacher picks one
 (`refinement.refine_rescored`), or the student drafts and the teacher verifies
 (`draft_verify.draft_verify`, into the whole cap, since a draft may grow).
@@ -251,12 +251,12 @@ def _result(result: Any) -> dict[str, jax.Array]:
     return {"tokens": result.tokens, "scores": result.scores, "passes": result.passes}
 
 
-# Decoding kind -> its search; `components.config.DECODERS` holds the rest of its entry.
+# Decoding kind -> its search; `components.config.DECODING_KINDS` holds the rest of its entry.
 SEARCHES: dict[str, Callable[..., dict[str, Optional[jax.Array]]]] = {
     "ar_greedy": _ar_greedy,
     "ar_beam": _ar_beam,
-    "padir": _refine,
-    "padir_rescored": _refine_rescored,
+    "refine": _refine,
+    "refine_rescored": _refine_rescored,
     "mask_predict": _mask_predict,
     "adaptive": _adaptive,
     "draft_verify": _draft_verify,
@@ -386,8 +386,8 @@ class Translator:
         encoded = jax.block_until_ready(
             self._jit_encode(self._params, source, max_len=max_len))
         encoded_at = time.perf_counter()
-        if self.method.stage in config_lib.AR_STAGES or self.method.kind == "draft_verify":
-            width = max_len  # AR outputs, and drafts that grow, may reach the cap
+        if config_lib.DECODING_KINDS[self.method.kind].to_the_cap:
+            width = max_len
         else:
             width = refinement.output_width(encoded.lengths, max_len)
         vocab_ids = None if self._shortlist is None else shortlist.select(self._shortlist, source)

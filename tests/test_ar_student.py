@@ -157,7 +157,7 @@ def test_an_ar_student_row_is_compared_with_the_baselines_never_one_of_them():
     records = [{"hypothesis": "a dog runs", "latency_s": 0.1, "passes": 4,
                 "hypothesis_tokens": 4}]
     rows = [("student_greedy", "ar_greedy", "ar_student"), ("greedy", "ar_greedy", "teacher"),
-            ("student_ct2", "ct2_greedy", "ar_student"), ("padir", "padir", "student")]
+            ("student_ct2", "ct2_greedy", "ar_student"), ("padir_4", "refine", "student")]
     results = [report.score_method(name, kind, records, ["a dog runs"],
                                    {"sentences_per_s": 10.0}, records, stage=stage)
                for name, kind, stage in rows]

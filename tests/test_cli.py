@@ -84,7 +84,7 @@ def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_translator", fake_translator)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
     assert cli.main(["translate", "--checkpoint", "work/student/k", "--batch-size", "4"]) == 0
-    assert loaded == [(str(tmp_path / "work" / "student" / "k"), "padir", 4)]
+    assert loaded == [(str(tmp_path / "work" / "student" / "k"), "refine", 4)]
     assert capsys.readouterr().out == "HELLO\n"
 
 
@@ -93,7 +93,7 @@ def test_translate_takes_a_relative_checkpoint(tmp_path, monkeypatch, capsys):
     (["translate", "--checkpoint", "work/student/k", "--method", "ar_beam"],
      "--method ar_beam decodes with a 'teacher' artifact; work/student/k is a 'student' one"),
     (["translate", "--checkpoint", "work/student/k", "--beam-size", "3"],
-     "'beam_size' does not apply to kind padir"),
+     "'beam_size' does not apply to kind refine"),
     (["status", "missing.yaml"], "missing.yaml: no such config file"),
     (["status", "bad.yaml"], "bad.yaml:2:1: invalid YAML"),
     (["status", "ok.yaml", "--set", "seed=["], "--set seed: the value is not valid YAML"),

@@ -325,13 +325,13 @@ def test_the_ar_kinds_decode_the_ar_model_they_name():
     for kind in ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam"):
         assert config_lib.DecodeMethod("m", kind).stage == "teacher"
         assert config_lib.DecodeMethod("m", kind, model="ar_student").stage == "ar_student"
-    with pytest.raises(ConfigError, match="'model' does not apply to kind padir"):
-        config_lib.DecodeMethod("p", "padir", model="ar_student")
+    with pytest.raises(ConfigError, match="'model' does not apply to kind refine"):
+        config_lib.DecodeMethod("p", "refine", model="ar_student")
     with pytest.raises(ConfigError, match=r"model must be one of \['teacher', 'ar_student'\]"):
         config_lib.DecodeMethod("g", "ar_greedy", model="student")
     with pytest.raises(ConfigError, match=r"decode.methods\[0\].model: expected one of"):
         config_lib.from_dict(config_lib.Config, {**BASE, "decode": {"methods": [
             {"name": "g", "kind": "ar_greedy", "model": "student"}]}})
     methods = (config_lib.DecodeMethod("g", "ar_greedy", model="ar_student"),
-               config_lib.DecodeMethod("r", "padir_rescored"))
+               config_lib.DecodeMethod("r", "refine_rescored"))
     assert config_lib.DecodeConfig(methods=methods).models == ("ar_student", "student", "teacher")

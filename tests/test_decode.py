@@ -37,8 +37,8 @@ from tiny_experiment import ensure, publish_untrained, tiny_config
 METHODS = [  # every kind, each as cheap as it gets
     {"name": "greedy", "kind": "ar_greedy"},
     {"name": "beam2", "kind": "ar_beam", "beam_size": 2},
-    {"name": "padir_2", "kind": "padir", "iterations": 2},
-    {"name": "padir_2_rescored", "kind": "padir_rescored", "iterations": 2,
+    {"name": "padir_2", "kind": "refine", "iterations": 2},
+    {"name": "padir_2_rescored", "kind": "refine_rescored", "iterations": 2,
      "length_offsets": [-1, 0, 1]},
     {"name": "mp_2", "kind": "mask_predict", "iterations": 2},
     {"name": "adaptive16", "kind": "adaptive", "tokens_per_step": 16},
@@ -90,21 +90,21 @@ def _sentences(config, count: int, lengths: range) -> list[str]:
 
 
 def test_decode_methods_refuse_options_their_kind_does_not_read():
-    assert DecodeMethod("p", "padir", iterations=10).stage == "student"
+    assert DecodeMethod("p", "refine", iterations=10).stage == "student"
     assert DecodeMethod("b", "ar_beam", beam_size=8).stage == "teacher"
-    with pytest.raises(ConfigError, match="'beam_size' does not apply to kind padir"):
-        DecodeMethod("p", "padir", beam_size=8)
+    with pytest.raises(ConfigError, match="'beam_size' does not apply to kind refine"):
+        DecodeMethod("p", "refine", beam_size=8)
     with pytest.raises(ConfigError, match="given twice"):
         config_lib.DecodeConfig(methods=(DecodeMethod("a", "ar_greedy"),) * 2)
-    assert [m.kind for m in config_lib.DecodeConfig().methods].count("padir") == 4
+    assert [m.kind for m in config_lib.DecodeConfig().methods].count("refine") == 4
 
 
 def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
     kinds = list(translator.SEARCHES) + list(ctranslate2_search.KINDS)  # CTranslate2: no search
-    assert kinds == list(config_lib.DECODERS) == [m["kind"] for m in METHODS]
+    assert kinds == list(config_lib.DECODING_KINDS) == [m["kind"] for m in METHODS]
     fields = {field.name for field in config_lib.decode_options()}
     flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
-    for kind, decoder in config_lib.DECODERS.items():
+    for kind, decoder in config_lib.DECODING_KINDS.items():
         assert decoder.stage in ("teacher", "student") and set(decoder.options) <= fields, kind
     assert {name for name in vars(flags) if name in fields} == fields  # one flag per option
     assert cli.build_parser().parse_args(
@@ -117,7 +117,7 @@ def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
 
 def test_handler_loads_once_per_process_and_compiles_once_per_bucket(config):
     uri = _uri(config, "student")
-    method = DecodeMethod("padir_2", "padir", iterations=2)
+    method = DecodeMethod("padir_2", "refine", iterations=2)
     sources = _sentences(config, 10, range(9, 17))  # bucket 16, output width 32
     handler = model_handler.TranslationModelHandler(uri, method, batch_size=2,
                                                      boundaries=BUCKETS)
@@ -167,17 +167,17 @@ def test_translator_pads_to_buckets_and_times_each_batch(config):
     assert decoder.translate(short[::-1] + long)[-1].source_tokens in range(17, 33)
     assert translator.TRACES[key] == 2  # the long sentence's bucket; no other shape
     with pytest.raises(ConfigError, match="decodes with a 'student' artifact"):
-        translator.Translator(loaded, DecodeMethod("p", "padir"), batch_size=1)
+        translator.Translator(loaded, DecodeMethod("p", "refine"), batch_size=1)
 
 
 def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
     student = trained_model.load_cached(_uri(config, "student"))
     teacher = trained_model.load_cached(_uri(config, "teacher"))
     sentences = _sentences(config, 3, range(2, 9))
-    one = DecodeMethod("r", "padir_rescored", iterations=2)  # one candidate: padir's output
+    one = DecodeMethod("r", "refine_rescored", iterations=2)  # one candidate: refine's output
     rescored = translator.Translator(student, one, batch_size=2, boundaries=BUCKETS,
                                      rescorer=teacher).translate(sentences)
-    plain = translator.Translator(student, DecodeMethod("p", "padir", iterations=2),
+    plain = translator.Translator(student, DecodeMethod("p", "refine", iterations=2),
                                   batch_size=2, boundaries=BUCKETS).translate(sentences)
     assert [t.tokens for t in rescored] == [t.tokens for t in plain]
     assert [t.passes for t in rescored] == [t.passes + 1 for t in plain]  # + the teacher's
@@ -185,7 +185,7 @@ def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
     with pytest.raises(ConfigError, match="rescores with a 'teacher' artifact"):
         translator.Translator(student, one, batch_size=1, rescorer=student)
     with pytest.raises(ValueError, match="takes no rescorer"):
-        translator.Translator(student, DecodeMethod("p", "padir"), batch_size=1,
+        translator.Translator(student, DecodeMethod("p", "refine"), batch_size=1,
                               rescorer=teacher)
 
 
@@ -231,9 +231,9 @@ def test_translate_rescores_with_the_students_own_teacher(config, tiny_workdir, 
     sentences = _sentences(config, 2, range(2, 9))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
         "\n".join(sentences).encode())))
-    assert cli.main(["translate", "--checkpoint", student, "--method", "padir_rescored",
+    assert cli.main(["translate", "--checkpoint", student, "--method", "refine_rescored",
                      "--iterations", "2", "--length-offsets=-1,0,1", "--batch-size", "2"]) == 0
-    method = DecodeMethod("r", "padir_rescored", iterations=2, length_offsets=(-1, 0, 1))
+    method = DecodeMethod("r", "refine_rescored", iterations=2, length_offsets=(-1, 0, 1))
     expected = translator.Translator(
         trained_model.load_cached(student), method, batch_size=2,
         rescorer=trained_model.load_cached(_uri(config, "teacher"))).translate(sentences)
@@ -364,7 +364,7 @@ def test_the_verdict_compares_each_regime_with_its_fastest_ar_row():
     entry = {"baselines": {"ar_greedy": "greedy"}, "methods": [
         _row("greedy", "ar_greedy", 30.0, 4.0, 8.0, 300.0),
         _row("ct2", "ct2_greedy", 30.0, 2.0, 10.0, 900.0),  # fastest but at p99
-        _row("padir_4", "padir", 27.0, 3.0, 4.0, 450.0),
+        _row("padir_4", "refine", 27.0, 3.0, 4.0, 450.0),
         _row("dv", "draft_verify", 30.0, 1.0, 2.0, 100.0)]}
     lines = report._verdict_lines(entry)
     assert lines[3:] == [
@@ -379,9 +379,9 @@ def test_the_verdict_compares_each_regime_with_its_fastest_ar_row():
 
 def test_the_frontier_keeps_the_rows_no_other_beats_on_both():
     methods = [_row("a", "ar_greedy", 30.0, 4.0, 4.0, 100.0),
-               _row("b", "padir", 27.0, 2.0, 2.0, 100.0),
-               _row("c", "padir", 26.0, 3.0, 3.0, 200.0),  # beaten at batch 1 by b
-               _row("d", "padir", 30.0, 4.0, 4.0, 100.0)]  # ties a: neither beats the other
+               _row("b", "refine", 27.0, 2.0, 2.0, 100.0),
+               _row("c", "refine", 26.0, 3.0, 3.0, 200.0),  # beaten at batch 1 by b
+               _row("d", "refine", 30.0, 4.0, 4.0, 100.0)]  # ties a: neither beats the other
     assert report.on_frontier(methods, "median") == [True, True, False, True]
     assert report.on_frontier(methods, "throughput") == [True, False, True, True]
 
@@ -477,7 +477,7 @@ def test_report_scores_agree_with_sacrebleu_on_real_text(config):
     hypotheses = [" ".join(r.split()[:-2] + r.split()[-1:]) for r in references]  # a word out
     records = [{"hypothesis": h, "latency_s": 0.5, "passes": 2} for h in hypotheses]
     timed = [{"latency_s": 0.01 * (i + 1)} for i in range(40)]  # the batch-1 pass's
-    result = report.score_method("m", "padir", records, references, {"sentences_per_s": 5.0},
+    result = report.score_method("m", "refine", records, references, {"sentences_per_s": 5.0},
                                  timed)
     assert result.bleu.score == pytest.approx(
         sacrebleu.corpus_bleu(hypotheses, [references]).score)
@@ -494,8 +494,8 @@ def test_the_report_names_each_methods_setting():
         DecodeMethod("b", "ar_beam"): "beam 4, length penalty 0.6",
         DecodeMethod("b8", "ar_beam", beam_size=8, length_penalty=1.0):
             "beam 8, length penalty 1",
-        DecodeMethod("p", "padir"): "iterations 4, 1 length candidate x offsets (0)",
-        DecodeMethod("p3", "padir", iterations=10, num_length_candidates=3,
+        DecodeMethod("p", "refine"): "iterations 4, 1 length candidate x offsets (0)",
+        DecodeMethod("p3", "refine", iterations=10, num_length_candidates=3,
                      length_offsets=(-1, 0, 1)):
             "iterations 10, 3 length candidates x offsets (-1, 0, 1)",
         DecodeMethod("m", "mask_predict", iterations=10, shortlist=True):
@@ -515,7 +515,7 @@ def test_the_report_names_each_methods_setting():
         settings.values())
     markdown = report.render_markdown(content)
     assert "| method | kind | setting | BLEU |" in markdown
-    assert "| p | padir | iterations 4, 1 length candidate x offsets (0) | " in markdown
+    assert "| p | refine | iterations 4, 1 length candidate x offsets (0) | " in markdown
     assert "|---|---|---|---:|" in markdown  # the text columns are left-aligned
     # A report.json written before settings were recorded still renders.
     del content["test_sets"]["test"]["methods"][0]["setting"]
@@ -530,17 +530,17 @@ def test_translate_reads_stdin_and_prints_one_line_per_line(config, monkeypatch,
     sentences = _sentences(config, 2, range(2, 17))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(
         f"{sentences[0]}\n\n  {sentences[1]} \n".encode())))
-    assert cli.main(["translate", "--checkpoint", uri, "--method", "padir",
+    assert cli.main(["translate", "--checkpoint", uri, "--method", "refine",
                      "--iterations", "2", "--batch-size", "2"]) == 0
     lines = capsys.readouterr().out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
     decoder = translator.Translator(trained_model.load_cached(uri),
-                                    DecodeMethod("padir", "padir", iterations=2),
+                                    DecodeMethod("refine", "refine", iterations=2),
                                     batch_size=2)
     # The command decodes each line alone here (a blank line fills its batch of 2).
     assert [lines[0], lines[2]] == [decoder.translate([s])[0].hypothesis for s in sentences]
     with pytest.raises(SystemExit) as error:
-        cli.main(["translate", "--checkpoint", uri, "--method", "padir", "--beam-size", "8"])
+        cli.main(["translate", "--checkpoint", uri, "--method", "refine", "--beam-size", "8"])
     assert error.value.code == 2
     assert "'beam_size' does not apply" in capsys.readouterr().err
 

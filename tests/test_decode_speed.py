@@ -73,7 +73,7 @@ def test_print_pass_profiles_profiles_the_median_width_sentence_of_each_kind(ben
             return bench.Profile(kind, "pass", [part], part, 1e-5, [])
         return profile
 
-    monkeypatch.setattr(bench, "pass_profile", fake("padir"))
+    monkeypatch.setattr(bench, "pass_profile", fake("refine"))
     monkeypatch.setattr(bench, "ar_step_profile", fake("ar"))
     tokenizer = types.SimpleNamespace(
         encode=lambda texts: [[10 + len(t)] * len(t) for t in texts])
@@ -83,14 +83,14 @@ def test_print_pass_profiles_profiles_the_median_width_sentence_of_each_kind(ben
             model=model, params={}, tokenizer=tokenizer))
 
     known = {"greedy": DecodeMethod("greedy", "ar_greedy"),
-             "p4": DecodeMethod("p4", "padir", length_offsets=(-1, 0, 1))}
+             "p4": DecodeMethod("p4", "refine", length_offsets=(-1, 0, 1))}
     translators = {"greedy": translator("teacher"), "p4": translator("student")}
     widths = [types.SimpleNamespace(width=w, passes=2) for w in (16, 8, 8)]
     pairs = [{"source": "a"}, {"source": "bb"}, {"source": "ccc"}]
     bench.print_pass_profiles(pairs, known, translators, {"p4": widths, "greedy": widths},
                               focus="padir_4", repeats=5)
     row = [12, 12, EOS_ID, 0]  # "bb": two pieces and EOS in the bucket of 4; cap 8 >= 2 x 3
-    assert seen == [("padir", "student", [row], 8, 5,
+    assert seen == [("refine", "student", [row], 8, 5,
                      {"num_length_candidates": 1, "length_offsets": (-1, 0, 1)}),
                     ("ar", "teacher", [row], 8, 5, {})]
     out = capsys.readouterr().out

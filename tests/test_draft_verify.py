@@ -144,5 +144,5 @@ def test_draft_verify_options_are_validated():
     DecodeMethod("dv", "draft_verify", tolerance_top_k=3, tolerance_margin=1.0)
     with pytest.raises(ConfigError, match="tolerance_margin needs tolerance_top_k"):
         DecodeMethod("dv", "draft_verify", tolerance_margin=1.0)
-    with pytest.raises(ConfigError, match="does not apply to kind padir"):
-        DecodeMethod("p", "padir", tolerance_top_k=2)
+    with pytest.raises(ConfigError, match="does not apply to kind refine"):
+        DecodeMethod("p", "refine", tolerance_top_k=2)

@@ -31,7 +31,7 @@ FAST = ("data.dev=null", "data.test=[]", "data.carve_dev_fraction=0.05",
         "student.phase2_steps=0", "decode.max_sentences=4", "decode.throughput_batch_size=4",
         "distill.enabled=false",
         "decode.methods=[{name: greedy, kind: ar_greedy}, "
-        "{name: padir, kind: padir, iterations: 2}]")
+        "{name: padir, kind: refine, iterations: 2}]")
 
 
 class FakeStages:
