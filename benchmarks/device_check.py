@@ -537,8 +537,7 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
             step=result.position, model=model, params=result.state.eval_params,
             tokenizer=tokenizer, boundaries=tuple(about["boundaries"]))
         started = time.monotonic()
-        decoder = translator.Translator(trained, PADIR_4, batch_size=min(batch_size, len(pairs)),
-                                        seed=about["seed"])
+        decoder = translator.Translator(trained, PADIR_4, batch_size=min(batch_size, len(pairs)))
         hypotheses = [t.hypothesis for t in _translate_all(decoder, pairs, order)]
         point = BudgetPoint(
             multiple=multiple, steps=run_cfg.phase1_steps + run_cfg.phase2_steps,
