@@ -35,14 +35,21 @@ data: install
 	$(BIN)/padir data fetch configs/multi30k_en_de.yaml
 	$(BIN)/padir data fetch configs/multi30k_en_fr.yaml
 
+# The tests run on every core (pytest-xdist), a test file per worker: its module fixtures
+# (a tiny trained model, a tiny DAG's stages) are built once. `make test WORKERS=1` runs
+# them in one process.
+WORKERS ?= auto
+PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile
+
 # The whole suite (CI runs it).
 test: install
-	$(BIN)/pytest
+	$(PYTEST)
 
-# The quick tier for development (a few minutes): skips the marks `slow` (tests of a minute
-# or more), `server` (a real Prefect server) and `dag` (the real stages on the tiny DAG).
+# The quick tier for development (under 3 minutes on 2 cores): skips the marks `slow` (child
+# interpreters, real training, set waits), `server` (a real Prefect server) and `dag` (the
+# real stages on the tiny DAG).
 test-fast: install
-	$(BIN)/pytest -m "not slow and not server and not dag"
+	$(PYTEST) -m "not slow and not server and not dag"
 
 clean:
 	rm -rf work .pytest_cache

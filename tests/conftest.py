@@ -4,9 +4,14 @@ Set here, before any test module imports Prefect (it reads these when it is impo
 PREFECT_HOME is a fresh temporary directory (profiles, SQLite databases, default result
 storage), no PREFECT_API_URL is inherited, and no Prefect server sends telemetry. JAX's
 compilation cache is a fresh temporary directory too (read when JAX is imported), shared
-by this process and the child interpreters of the session, never the user's.
+by this process and the child interpreters of the session, never the user's; every
+program goes in it, however quickly it compiled. XLA compiles for the CPU at LLVM's lowest
+optimisation level (in the children too): compilation is most of the suite's time, and
+the tests' tiny programs compile in about a third less time, their runs still seconds.
 Tests that run flows request the session-scoped `prefect_harness` (one temporary server
-for the whole session, started only if some selected test needs it).
+for the whole session, started only if some selected test needs it). Under pytest-xdist
+(`make test`) each worker is a session of its own: its own temporary directories, server
+and tiny workdir.
 """
 
 import atexit
@@ -25,14 +30,24 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 _JAX_CACHE = tempfile.mkdtemp(prefix="padir-test-jax-cache-")
 atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
+# A stage run again by another test, or by a child interpreter, loads its programs.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+_FAST_COMPILE = "--xla_backend_optimization_level=0"
+if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", "").split():
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 
 def pytest_collection_modifyitems(items):
-    """A test on the tiny DAG's real stages (the `tiny_workdir` fixture) is marked `dag`, so
-    that `make test-fast` can leave those out."""
+    """A test on the tiny DAG's real stages (the `tiny_workdir` fixture) is marked `dag`, and
+    one that needs the session's Prefect server (`prefect_harness`) `server`, so that
+    `make test-fast` can leave those out."""
     for item in items:
-        if "tiny_workdir" in getattr(item, "fixturenames", ()):
+        fixtures = getattr(item, "fixturenames", ())
+        if "tiny_workdir" in fixtures:
             item.add_marker(pytest.mark.dag)
+        if "prefect_harness" in fixtures:
+            item.add_marker(pytest.mark.server)
 
 
 @pytest.fixture(scope="session")

@@ -362,7 +362,9 @@ class FaultProxy:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() waits for the loop's next look at its flag: 0.5 s a test by default.
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.02,),
+                                       daemon=True)
 
     def send(self, method: str, path: str, body: bytes,
              headers: Mapping[str, str]) -> tuple[int, bytes]:

@@ -65,6 +65,7 @@ def _assert_bitwise_equal(got, want):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+@pytest.mark.slow  # two child interpreters: one SIGKILLed, one resuming
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path, cache_dir, uninterrupted):
     _, want = uninterrupted
     ckpt_dir = tmp_path / "checkpoints"
@@ -86,6 +87,7 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path, cache_dir, uninterrupte
     _assert_bitwise_equal(dict(np.load(tmp_path / "params.npz")), want)
 
 
+@pytest.mark.slow  # a child interpreter
 def test_sigterm_checkpoints_the_current_step(tmp_path, cache_dir):
     progress = tmp_path / "progress"
     proc = subprocess.Popen(
@@ -228,6 +230,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow  # a child interpreter with 8 host devices
 def test_checkpoint_restores_on_another_mesh(tmp_path, cache_dir):
     code = CROSS_MESH.format(dir=str(tmp_path / "checkpoints"))
     proc = toy.run_python(code, cache_dir, devices=8)

@@ -426,6 +426,7 @@ class _Refusing(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"nope\n")
 
 
+@pytest.mark.slow  # eight `padir stage prepare` interpreters
 def test_a_refused_corpus_url_is_one_line_without_its_secrets(tmp_path):
     """`padir stage prepare` on a corpus URL with a password and a `${TOKEN}` query whose
     GET is refused (401, 403, 404, 500), after a HEAD that succeeded or failed: exit status

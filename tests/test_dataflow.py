@@ -124,6 +124,7 @@ def test_the_overlay_targets_dataflow_with_the_project_container(config):
     assert isinstance(_dataflow_pipeline(config).runner, DataflowRunner)
 
 
+@pytest.mark.slow  # a worker's fresh interpreter loads every job
 def test_every_pipeline_job_builds_and_serialises_for_dataflow(config, prepared, tokenizer,
                                                               tmp_path):
     jobs = _build_all(config, prepared, tokenizer)

@@ -34,8 +34,11 @@ print("HEAVY", json.dumps(loaded))
 
 @pytest.fixture(scope="module")
 def pack(tiny_workdir, tmp_path_factory):
-    # The student on the original pairs: no distillation run just to pack its batches.
-    config = tiny_config(tiny_workdir, "distill.enabled=false")
+    # The student on the original pairs: no distillation run just to pack its batches. One
+    # length bucket (each decoder, training step and budget-line phase compiles one shape),
+    # in test_ar_student's shards: test_distill needs the one-bucket originals unencoded.
+    config = tiny_config(tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]",
+                         "encode.num_shards=2")
     ensure(config, "prepare", "vocab", "encode")
     for stage in ("teacher", "student", "ar_student"):  # the config decodes the AR student
         publish_untrained(config, stage)

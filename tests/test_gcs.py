@@ -169,6 +169,7 @@ def test_of_several_runs_taking_over_one_stale_lease_exactly_one_wins(gcs_faults
     assert outcomes == ["HELD", "HELD", "HELD", "WON"]
 
 
+@pytest.mark.slow  # two writers in child interpreters, one paused for twice the stale period
 @pytest.mark.parametrize("at", [0.1, "publishing"])
 def test_a_writer_paused_past_the_stale_period_publishes_nothing(gcs_faults, at):
     """A writer is paused (SIGSTOP) in its body, or just as it publishes, for twice the
@@ -212,6 +213,7 @@ def _download(uri: str, into: str) -> str:
     return into
 
 
+@pytest.mark.dag
 def test_the_data_stages_write_the_same_files_on_gs_as_on_local_disk(gcs_faults, tmp_path):
     gcs, _ = gcs_faults  # the proxy answers Beam's batch requests (tests/gcs_emulator.py)
     remote = _gs_config(gcs, tmp_path / "gs")
@@ -249,6 +251,7 @@ def _cli(env, *args, **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, **kwargs)
 
 
+@pytest.mark.slow  # the stage, its rerun, `padir status` and `padir gc` in child interpreters
 def test_a_pipeline_job_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(gcs_faults,
                                                                                   tmp_path):
     gcs, _ = gcs_faults

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from components import artifacts, dag
 from components import config as config_lib
 from tiny_experiment import tiny_config
@@ -31,6 +33,7 @@ def _experiment(tmp_path) -> str:
     return "experiment.yaml"
 
 
+@pytest.mark.server
 def test_run_creates_a_missing_prefect_home_and_starts_a_temporary_api(tmp_path):
     home = tmp_path / "no" / "such" / "parent" / "prefect"
     proc = _padir_run(tmp_path, _experiment(tmp_path), PREFECT_HOME=str(home),
@@ -62,6 +65,7 @@ def test_a_database_that_cannot_be_opened_is_one_line_naming_it(tmp_path):
                            f"{home}/prefect.db (PREFECT_HOME {home})")
 
 
+@pytest.mark.server  # a server process that never answers: padir waits its deadline
 def test_a_server_that_never_starts_fails_within_its_deadline(tmp_path):
     home = tmp_path / "prefect"
     proc = _padir_run(

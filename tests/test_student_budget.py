@@ -38,7 +38,9 @@ def test_each_multiple_is_its_own_student_at_that_many_steps(tiny_workdir, tmp_p
     # The student learns the original pairs (a few-step teacher's translations never reach
     # EOS). A teacher of its own, trained here: other tests publish untrained teachers at the
     # tiny config's key, without the dev figures the stage measures.
-    config = tiny_config(tiny_workdir, "distill.enabled=false", "teacher.steps=2")
+    # One length bucket: each training step and decoder compiles one shape.
+    config = tiny_config(tiny_workdir, "distill.enabled=false", "teacher.steps=2",
+                         "encode.bucket_boundaries=[64]")
     ensure(config, "prepare", "vocab", "encode", "teacher")
     path = tmp_path / "tiny.yaml"
     path.write_text(config_lib.dump(config))

@@ -241,9 +241,11 @@ def subprocess_env(cache_dir: str, devices: int = 1) -> dict[str, str]:
     """Environment of a child interpreter: CPU with `devices` host devices, and a compilation
     cache shared by the children of one test session (same programs, compiled once)."""
     env = dict(os.environ)
+    flags = [flag for flag in env.get("XLA_FLAGS", "").split()  # the session's (conftest.py)
+             if not flag.startswith("--xla_force_host_platform_device_count")]
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
         JAX_COMPILATION_CACHE_DIR=cache_dir,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
