@@ -42,15 +42,16 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from components import artifacts, dag
+from components import artifacts, dag, training_artifact
 from components import config as config_lib
+from components.config import TRAINING_STAGES
 from flows import plan
 
-TRAINING_STAGES = ("teacher", "student")
+CHECKPOINT_FILES = f"{training_artifact.CHECKPOINTS}/*"  # compared array for array
 # Files whose content is a measured time, which no rerun reproduces (relative to the artifact).
 MEASURED_FILES = {
-    "teacher": ("tensorboard/*",),  # event files carry wall times
-    "student": ("tensorboard/*",),
+    # event files carry wall times
+    **{stage: (f"{training_artifact.TENSORBOARD}/*",) for stage in TRAINING_STAGES},
     # rendered from the latencies in report.json
     "score": ("report.md", "plots/*/bleu_vs_latency.png", "plots/*/bleu_vs_throughput.png",
               "plots/*/latency_vs_length.png"),
@@ -158,7 +159,7 @@ def _writing(stage_dir: str, key: str, before: set[str]) -> bool:
 def differences(stage: str, want: str, got: str) -> list[str]:
     """Relative paths whose content differs between two outputs of `stage` (or that only
     one has), apart from measured times; checkpoints compared array for array."""
-    skip = MEASURED_FILES.get(stage, ()) + (("checkpoints/*",) if stage in TRAINING_STAGES
+    skip = MEASURED_FILES.get(stage, ()) + ((CHECKPOINT_FILES,) if stage in TRAINING_STAGES
                                             else ())
     files = {side: {path for path in _files(root)
                     if not any(fnmatch.fnmatch(path, pattern) for pattern in skip)}
@@ -168,8 +169,8 @@ def differences(stage: str, want: str, got: str) -> list[str]:
         if _content(os.path.join(want, path)) != _content(os.path.join(got, path)):
             differ.append(path)
     if stage in TRAINING_STAGES:
-        differ += _checkpoint_differences(os.path.join(want, "checkpoints"),
-                                          os.path.join(got, "checkpoints"))
+        differ += _checkpoint_differences(training_artifact.checkpoints(want),
+                                          training_artifact.checkpoints(got))
     return differ
 
 
@@ -179,7 +180,7 @@ def truncated(stage: str, want: str, got: str) -> list[str]:
     it is a determinism matter)."""
     training = stage in TRAINING_STAGES
     skip = MEASURED_FILES.get(stage, ()) + (artifacts.MANIFEST,) + (
-        ("checkpoints/*",) if training else ())
+        (CHECKPOINT_FILES,) if training else ())
 
     def sizes(root: str) -> dict[str, int]:
         """Records of a JSON-lines file (their measured times vary in width), else bytes."""
@@ -191,8 +192,8 @@ def truncated(stage: str, want: str, got: str) -> list[str]:
     have = sizes(got)
     short = sorted(path for path, size in sizes(want).items() if have.get(path) != size)
     if training:  # orbax names its data files at random: a checkpoint is whole if its arrays are
-        short += _checkpoint_differences(os.path.join(want, "checkpoints"),
-                                         os.path.join(got, "checkpoints"))
+        short += _checkpoint_differences(training_artifact.checkpoints(want),
+                                         training_artifact.checkpoints(got))
     return short
 
 
@@ -244,7 +245,8 @@ def _checkpoint_differences(want: str, got: str) -> list[str]:
             _content(os.path.join(a, path)) == _content(os.path.join(b, path))
             for path in _files(a))
 
-    differ = sorted(f"checkpoints/{step}" for step in steps(want) ^ steps(got))
+    folder = training_artifact.CHECKPOINTS
+    differ = sorted(f"{folder}/{step}" for step in steps(want) ^ steps(got))
     checkpointer = ocp.StandardCheckpointer()
     for step in sorted(steps(want) & steps(got)):
         items = sorted(name for name in os.listdir(os.path.join(want, step))
@@ -254,7 +256,7 @@ def _checkpoint_differences(want: str, got: str) -> list[str]:
             same = (os.path.isdir(b) and
                     (same_arrays if os.path.exists(os.path.join(a, "_METADATA")) else same_files)(a, b))
             if not same:
-                differ.append(f"checkpoints/{step}/{item}")
+                differ.append(f"{folder}/{step}/{item}")
     checkpointer.close()
     return differ
 
