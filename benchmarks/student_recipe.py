@@ -90,9 +90,10 @@ def step_seconds(config: config_lib.Config, phase: int, *, length: int,
 
     model = training.student_model(config, training.load_tokenizer(config))
     tx, _ = train.make_optimizer(config.student.optimizer, total_steps=1000)
-    placement = train.place(model, tx, config.mesh)
+    ema_decay = config.student.optimizer.ema_decay  # the stage's step updates the average
+    placement = train.place(model, tx, config.mesh, ema=ema_decay is not None)
     compiled = train.compile_steps(
-        model, tx, placement.state_shardings, placement.batch_sharding,
+        model, tx, placement.state_shardings, placement.batch_sharding, ema_decay=ema_decay,
         loss_settings=student_loss_settings(config.student, phase))
     state = placement.create_state(seed=0)
     rows = max(jax.device_count(), config.student.loop.tokens_per_batch // length)

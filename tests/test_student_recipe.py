@@ -25,7 +25,7 @@ def test_plan_steps_fill_the_budget_at_each_phases_step_time():
     assert student_recipe.plan_steps(0.1, 0.1, 0.2, 0.5) == (2, 2)  # never fewer than 2
 
 
-def test_the_probe_times_each_phase_with_the_configs_loss_settings(monkeypatch):
+def test_the_probe_times_each_phase_with_the_configs_loss_settings_and_average(monkeypatch):
     # Every loss setting away from its default (the config glances), and a model that
     # initialises in a second.
     config = config_lib.load("configs/multi30k_en_de.yaml", [
@@ -35,8 +35,8 @@ def test_the_probe_times_each_phase_with_the_configs_loss_settings(monkeypatch):
     assert config.student.glancing_ratio > 0
     timed = []
 
-    def compile_steps(*args, loss_settings=None, **kwargs):
-        timed.append(loss_settings)
+    def compile_steps(*args, loss_settings=None, ema_decay=None, **kwargs):
+        timed.append((loss_settings, ema_decay))
         raise Probed
 
     monkeypatch.setattr(train, "compile_steps", compile_steps)
@@ -45,8 +45,10 @@ def test_the_probe_times_each_phase_with_the_configs_loss_settings(monkeypatch):
     for phase in (1, 2):
         with pytest.raises(Probed):
             student_recipe.step_seconds(config, phase, length=4)
-    assert timed == [student_loss_settings(config.student, 1),
-                     student_loss_settings(config.student, 2)]
+    ema_decay = config.student.optimizer.ema_decay  # the parameter average, as trained
+    assert ema_decay is not None
+    assert timed == [(student_loss_settings(config.student, 1), ema_decay),
+                     (student_loss_settings(config.student, 2), ema_decay)]
 
 
 @pytest.mark.slow  # about a minute on 2 cores: each arm's probe and phases compile
