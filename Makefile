@@ -35,11 +35,11 @@ data: install
 	$(BIN)/padir data fetch configs/multi30k_en_de.yaml
 	$(BIN)/padir data fetch configs/multi30k_en_fr.yaml
 
-# The tests run on every core (pytest-xdist), a test file per worker: its module fixtures
-# (a tiny trained model, a tiny DAG's stages) are built once. `make test WORKERS=1` runs
-# them in one process.
-WORKERS ?= auto
-PYTEST := $(BIN)/pytest -n $(WORKERS) --dist loadfile
+# The tests run on every logical CPU (pytest-xdist), a test file per worker: its module
+# fixtures (a tiny trained model, a tiny DAG's stages) are built once. A worker holds up to
+# 3.5 GB (TensorFlow, JAX, Beam, Prefect), so at most 4. `make test WORKERS=1`: one process.
+WORKERS ?= logical
+PYTEST := $(BIN)/pytest -n $(WORKERS) --maxprocesses 4 --dist loadfile
 
 # The whole suite (CI runs it).
 test: install
