@@ -37,7 +37,7 @@ data: install
 
 # The tests run on every logical CPU (pytest-xdist), a test file per worker: its module
 # fixtures (a tiny trained model, a tiny DAG's stages) are built once. A worker holds up to
-# 3.5 GB (TensorFlow, JAX, Beam, Prefect), so at most 4. `make test WORKERS=1`: one process.
+# 3.5 GB (TensorFlow, JAX, Beam, Prefect), so at most 4. `make test WORKERS=0`: no workers.
 WORKERS ?= logical
 PYTEST := $(BIN)/pytest -n $(WORKERS) --maxprocesses 4 --dist loadfile
 
