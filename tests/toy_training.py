@@ -246,9 +246,7 @@ def subprocess_env(cache_dir: str, devices: int = 1) -> dict[str, str]:
     env.update(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
-        JAX_COMPILATION_CACHE_DIR=cache_dir,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        JAX_COMPILATION_CACHE_DIR=cache_dir,  # every program goes in it (conftest.py)
         PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")]),
     )
     return env
