@@ -252,6 +252,10 @@ class FaultProxy:
         self.upstream = upstream.removeprefix("http://")
         self.faults: list[Fault] = []
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request seen
+        self.answers: list[tuple[str, str, int]] = []  # (method, path, status) of each answer
+        # Seconds the `Date` of its answers runs ahead of the emulator's clock, which stamps
+        # objects: time passing at the server, without waiting for it.
+        self.ahead = 0.0
         self.lock = threading.Lock()
         self.writes = threading.Lock()  # requests that change objects, one at a time
         proxy = self
@@ -262,6 +266,9 @@ class FaultProxy:
 
             def log_message(self, *args):
                 pass
+
+            def date_time_string(self, timestamp=None):
+                return super().date_time_string(time.time() + proxy.ahead)
 
             def handle(self):
                 try:
@@ -294,9 +301,9 @@ class FaultProxy:
             def _upstream(self, body: bytes):
                 status, headers, data = proxy.exchange(self.command, self.path, body,
                                                        dict(self.headers.items()))
-                kept = {k: v for k, v in headers
+                kept = {k: v for k, v in headers  # the `Date` is the proxy's own
                         if k.lower() not in ("connection", "transfer-encoding",
-                                             "content-length")}
+                                             "content-length", "date")}
                 return status, kept, data
 
             def _batch(self, body: bytes) -> None:
@@ -349,6 +356,8 @@ class FaultProxy:
                 return str(live) != wanted[0]
 
             def _reply(self, status, headers, data):
+                with proxy.lock:
+                    proxy.answers.append((self.command, self.path, status))
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)

@@ -223,19 +223,18 @@ def test_a_second_trainer_of_the_key_leaves_the_first_ones_work_alone(workdir):
     assert _names(artifacts.require(workdir, "teacher", "k").path("checkpoints")) == ["5"]
 
 
-def test_a_remote_lease_is_stale_by_the_servers_clock_not_its_holders(gcs_faults, caplog,
-                                                                       monkeypatch):
+def test_a_remote_lease_is_stale_by_the_servers_clock_not_its_holders(gcs_faults, caplog):
     """The holder started (by its own clock) long ago, but the server saw its lease object
     written just now: it is live; once the server has not seen it rewritten for the stale
     period, it is taken over."""
-    monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 2.0)
-    workdir = gcs_faults[0].uri(uuid.uuid4().hex[:8], "work")
+    gcs, proxy = gcs_faults
+    workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
     lease = artifacts.lease_uri(workdir, "prepare", "k1")
     _put(lease, json.dumps({"host": "elsewhere", "pid": 7, "run": "theirs",
                             "started": "2020-01-01T00:00:00+00:00"}))
     with pytest.raises(artifacts.LeaseHeldError, match="pid 7 on elsewhere since 2020-01-01"):
         _publish(workdir, "k1", {"a.txt": "x"})
-    time.sleep(3.1)  # the server's `Date` counts whole seconds
+    proxy.ahead = artifacts.LEASE_STALE_SECONDS + 1  # its `Date` counts whole seconds
     with caplog.at_level(logging.WARNING, logger="components.artifacts"):
         _publish(workdir, "k1", {"a.txt": "x"})
     assert "taking over the lease of a run that died (pid 7 on elsewhere" in caplog.text
@@ -358,19 +357,38 @@ def test_a_writer_that_lost_its_lease_keeps_the_artifact_another_run_published(w
 # --- renewals on gs:// --------------------------------------------------------------------
 
 
+def _is_lease_write(method: str, path: str) -> bool:
+    """A write of the lease object: its creation ("0") or a renewal."""
+    return method == "POST" and "uploadType=multipart" in path and "ifGenerationMatch=" in path
+
+
 def _lease_writes(proxy) -> list[str]:
-    """The lease object's writes that the proxy saw: creations ("0") and renewals."""
-    return [path for method, path in proxy.requests
-            if method == "POST" and "uploadType=multipart" in path and
-            "ifGenerationMatch=" in path]
+    return [path for method, path in proxy.requests if _is_lease_write(method, path)]
+
+
+def _renewals(monkeypatch, count: int) -> tuple[list[bool], threading.Event]:
+    """What each renewal of a lease found (True: renewed; False: another holder), and an
+    event set once `count` renewals have succeeded: a test waits for renewals, not for time."""
+    found, renewed = [], threading.Event()
+    renew = artifacts._GcsLease.renew
+
+    def counted(self, timeout):
+        found.append(renew(self, timeout))
+        if found.count(True) >= count:
+            renewed.set()
+        return found[-1]
+
+    monkeypatch.setattr(artifacts._GcsLease, "renew", counted)
+    return found, renewed
 
 
 def test_a_remote_lease_is_renewed_on_its_generation(gcs_faults, monkeypatch):
     gcs, proxy = gcs_faults
     monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    _, renewed = _renewals(monkeypatch, 3)
     with artifacts.lease(gcs.uri(uuid.uuid4().hex[:8], "work"), "vocab", "k") as held:
         first = held.generation
-        time.sleep(0.5)
+        assert renewed.wait(60)
         assert held.generation != first
     writes = _lease_writes(proxy)
     assert writes[0].endswith("ifGenerationMatch=0") or "ifGenerationMatch=0&" in writes[0]
@@ -385,21 +403,30 @@ def test_a_renewal_whose_answer_was_lost_is_recognised_as_its_own(gcs_faults, mo
     gcs, proxy = gcs_faults
     monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
     monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 30.0)
-    dropped = proxy.fail("POST", "uploadType=multipart", 503, after=1, forward=True)
+    proxy.fail("POST", "uploadType=multipart", 503, after=1, forward=True)
     workdir = gcs.uri(uuid.uuid4().hex[:8], "work")
+    found, renewed = _renewals(monkeypatch, 4)
     with caplog.at_level(logging.WARNING, logger="components.artifacts"):
         with artifacts.lease(workdir, "vocab", "k") as held:
-            deadline = time.monotonic() + 20
-            while len(_lease_writes(proxy)) < 6 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            assert renewed.wait(60)
             assert held.lost is None
-    assert dropped.seen == 2  # the creation, then the renewal whose answer was lost
+    assert all(found)
     writes = _lease_writes(proxy)
     assert writes[1] == writes[2]  # the client's retry, on the generation already replaced
-    assert len(writes) >= 6  # renewals went on from the generation the retry found
+    # Created; the first renewal made, its answer lost; the retry refused, as the renewal
+    # was made; renewed on from the generation the retry found.
+    answers = [status for method, path, status in proxy.answers if _is_lease_write(method, path)]
+    assert answers[:4] == [200, 503, 412, 200] and len(writes) >= 6
     assert "could not renew" not in caplog.text and "taken over" not in caplog.text
     fs, path = artifacts.filesystem(artifacts.lease_uri(workdir, "vocab", "k"))
     assert not fs.exists(path)  # released: the generation it renewed was its own
+
+
+def _work(done: list[str]) -> None:
+    """A stage's work, which its lease's renewer stops: a minute at least, ticking."""
+    for _ in range(6000):
+        time.sleep(0.01)
+    done.append("the work ran to its end")
 
 
 def test_a_lease_taken_over_stops_its_old_holder_which_leaves_it_alone(gcs_faults,
@@ -410,16 +437,14 @@ def test_a_lease_taken_over_stops_its_old_holder_which_leaves_it_alone(gcs_fault
     fs, path = artifacts.filesystem(artifacts.lease_uri(workdir, "vocab", "k"))
     theirs = json.dumps({"host": "elsewhere", "pid": 1, "run": "theirs",
                          "started": "2026-12-01T00:00:00+00:00"})
+    found, _ = _renewals(monkeypatch, 1)
+    done = []
     with pytest.raises(artifacts.LeaseLost) as lost:
         with artifacts.lease(workdir, "vocab", "k"):
             fs.pipe_file(path, theirs.encode())  # another run took it over meanwhile
-            taken = time.monotonic()
-            try:
-                while time.monotonic() - taken < 30:  # the stage's work, stopped
-                    time.sleep(0.01)
-            finally:
-                stopped = time.monotonic()
-    assert stopped - taken < 5
+            _work(done)
+    assert done == []
+    assert found.count(False) == 1 and found[-1] is False  # stopped by the first to find it
     assert str(lost.value) == ("vocab/k: its lease was taken over by another run (pid 1 on "
                                "elsewhere since 2026-12-01T00:00:00+00:00); this run stopped")
     assert lost.value.__cause__ is None and "\n" not in str(lost.value)
@@ -441,18 +466,35 @@ def test_renewals_that_keep_failing_stop_the_stage_before_a_takeover(gcs, monkey
              "ClientError": aiohttp.ClientConnectionError("refused")}.get(error, error)
     monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
     monkeypatch.setattr(artifacts, "LEASE_STALE_SECONDS", 2.0)
+    clock = _Clock()
+    monkeypatch.setattr(artifacts, "time", clock)
+    tried = []  # (when, the time it was given) of each renewal
 
     def fails(self, timeout):
+        tried.append((clock.now, timeout))
+        clock.now += 0.25  # a renewal that takes a quarter of a second, then fails
         raise error
 
+    monkeypatch.setattr(artifacts._GcsLease, "renew", fails)
+    done = []
     with pytest.raises(artifacts.LeaseLost,
-                       match=r"^vocab/k: its lease went \d+ s without a renewal \(.*\); "
+                       match=r"^vocab/k: its lease went 1 s without a renewal \(.*\); "
                              "stopped before another run could take it over$"):
         with artifacts.lease(gcs.uri(uuid.uuid4().hex[:8], "work"), "vocab", "k") as held:
-            monkeypatch.setattr(artifacts._GcsLease, "renew", fails)
-            try:
-                while time.monotonic() - held.written < 30:
-                    time.sleep(0.01)
-            finally:
-                stopped = time.monotonic()
-    assert stopped - held.written < artifacts.LEASE_STALE_SECONDS
+            _work(done)
+    assert done == []
+    # Retried until half the stale period since the last write, none given time past it.
+    assert held.written == 0.0 and tried == [(0.0, 1.0), (0.25, 0.75), (0.5, 0.5), (0.75, 0.25)]
+    assert clock.now == artifacts.LEASE_STALE_SECONDS / 2  # where the stage was stopped
+
+
+class _Clock:
+    """components/artifacts.py's `time`, its monotonic clock moved by the test alone."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    time = staticmethod(time.time)
