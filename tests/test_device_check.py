@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import time
+import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,6 +87,9 @@ def test_pack_holds_the_students_whole_training_set_and_it_round_trips(pack):
 
 
 def test_the_training_probe_times_each_phase_with_the_packed_loss_settings(pack, monkeypatch):
+    """What the probe times is `train.train_step` with each phase's loss settings, a step at
+    a time, each on the state the one before returned: a clock that only the step moves
+    (a quarter of a second a step) gives exactly the rates of those steps."""
     from model import train
     from model.losses import student_loss_settings
 
@@ -92,17 +97,33 @@ def test_the_training_probe_times_each_phase_with_the_packed_loss_settings(pack,
     about, loaded = device_check.load_pack(directory)
     about["student"]["section"].update(num_passes=3, glancing_ratio=0.5,
                                        draft_prefix_ratio=0.25)
-    timed = []
+    traced, ran = [], []  # the loss settings of each trace; the state's step at each run
+    clock = types.SimpleNamespace(perf_counter=lambda: 0.25 * len(ran))
 
     def step(state, batch, *, model, tx, loss_settings=None):  # traced once per shape
-        timed.append(loss_settings)
-        return state, {}
+        traced.append(loss_settings)
+        ran_at = jax.pure_callback(lambda at: ran.append(int(at)) or at,
+                                   jax.ShapeDtypeStruct((), np.int32), state.step)
+        return state.replace(step=state.step + 1), {"ran_at": ran_at}
 
     monkeypatch.setattr(train, "train_step", step)
-    device_check.probe_training(directory, about, loaded, steps=1)
+    monkeypatch.setattr(device_check, "time", clock)
+    rates = device_check.probe_training(directory, about, loaded, steps=3)
     student = device_check.packed_section(about, "student")
-    assert list(dict.fromkeys(timed)) == [None, student_loss_settings(student, 1),
-                                          student_loss_settings(student, 2)]
+    assert list(dict.fromkeys(traced)) == [None, student_loss_settings(student, 1),
+                                           student_loss_settings(student, 2)]
+    runs = []
+    for stage in ("teacher", "student", "student"):
+        with np.load(os.path.join(directory, f"{stage}_batches.npz")) as flat:
+            targets = [flat[f"target_{i:04d}"] for i in range(len(flat.files) // 2)]
+        shapes = len({target.shape for target in targets})  # one compiling step each
+        runs.append((shapes, sum(int((targets[i % len(targets)] != 0).sum())
+                                 for i in range(3))))
+    assert ran == [step for shapes, _ in runs for step in range(shapes + 3)]
+    assert [(rate.name, rate.steps, rate.step_ms, rate.steps_per_s) for rate in rates] == [
+        (name, 3, 250.0, 4.0) for name in ("teacher", "student phase 1", "student phase 2")]
+    assert [rate.target_tokens_per_s for rate in rates] == [
+        pytest.approx(tokens / 0.75) for _, tokens in runs]
 
 
 def test_pair_stream_batches_every_pair_once_an_epoch_and_resumes_at_any_position():
@@ -139,17 +160,25 @@ def test_budget_flag_takes_multiples_or_none():
 
 
 @pytest.mark.slow  # a minute on 2 cores: a training step and a decoding compile
-def test_budget_line_stops_at_the_time_limit_and_skips_the_multiples_after(pack, capsys):
+def test_budget_line_stops_at_the_time_limit_and_skips_the_multiples_after(pack, capsys,
+                                                                          monkeypatch):
+    from model import train
+
     directory, _, _ = pack
     about, loaded = device_check.load_pack(directory)
     with open(os.path.join(directory, "test.jsonl")) as f:
         pairs = [json.loads(line) for line in f][:2]
-    # 2,000 steps at 500x: the deadline is past within seconds, far from the end.
+    # The hour left of the budget line goes to the training loop, whose time is up at its
+    # first step (its clock, not the machine's: the test does not race it).
+    limits = []
+    monkeypatch.setattr(train, "_deadline",
+                        lambda loop: limits.append(loop.max_minutes) or float("-inf"))
     points = device_check.budget_line(directory, about, loaded, pairs, multiples=(500, 1000),
-                                      deadline=time.monotonic() + 3, batch_size=2)
+                                      deadline=time.monotonic() + 3600, batch_size=2)
     [point] = points
+    assert len(limits) == 1 and 59 < limits[0] <= 60
     assert point.multiple == 500 and not point.completed
-    assert 1 <= point.trained < point.steps == 2000 and point.bleu >= 0
+    assert point.trained == 1 and point.steps == 2000 and point.bleu >= 0
     out = capsys.readouterr().out
     assert "(stopped: the time limit ran out)" in out and "not trained: 1000x" in out
 
