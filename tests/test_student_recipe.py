@@ -13,10 +13,6 @@ from pipelines import training
 from tiny_experiment import ensure, tiny_config
 
 
-class Probed(Exception):
-    """Raised where the probe compiles its step: what it would time is known by then."""
-
-
 def test_plan_steps_fill_the_budget_at_each_phases_step_time():
     # 630 s, phase 1 at 0.1 s, phase 2 at 0.2 s, 2 of 7 steps in phase 2: 3500 x 0.1 s
     # + 1400 x 0.2 s.
@@ -25,7 +21,11 @@ def test_plan_steps_fill_the_budget_at_each_phases_step_time():
     assert student_recipe.plan_steps(0.1, 0.1, 0.2, 0.5) == (2, 2)  # never fewer than 2
 
 
-def test_the_probe_times_each_phase_with_the_configs_loss_settings_and_average(monkeypatch):
+def test_the_probe_times_the_training_step_with_the_configs_loss_settings_and_average(
+        monkeypatch):
+    """What the probe times is the training step compiled with each phase's loss settings
+    and the parameter average, a step at a time, each on the state the one before returned:
+    a clock that only the step moves (a quarter of a second a step) gives exactly its time."""
     # Every loss setting away from its default (the config glances), and a model that
     # initialises in a second.
     config = config_lib.load("configs/multi30k_en_de.yaml", [
@@ -33,22 +33,30 @@ def test_the_probe_times_each_phase_with_the_configs_loss_settings_and_average(m
         "num_decoder_layers: 1, mlp_dim: 64}", "student.num_passes=3",
         "student.draft_prefix_ratio=0.25"])
     assert config.student.glancing_ratio > 0
-    timed = []
+    compiled, ran = [], []  # (loss settings, average) of each compilation; (its index, step)
+    clock = types.SimpleNamespace(perf_counter=lambda: 0.25 * len(ran))
 
     def compile_steps(*args, loss_settings=None, ema_decay=None, **kwargs):
-        timed.append((loss_settings, ema_decay))
-        raise Probed
+        index = len(compiled)
+        compiled.append((loss_settings, ema_decay))
+
+        def train_step(state, batch):
+            ran.append((index, int(state.step), state.ema_params is not None))
+            return state.replace(step=state.step + 1), {}
+
+        return train.CompiledSteps(train=train_step, eval=None, predict=None)
 
     monkeypatch.setattr(train, "compile_steps", compile_steps)
+    monkeypatch.setattr(student_recipe, "time", clock)
     monkeypatch.setattr(training, "load_tokenizer",
                         lambda config: types.SimpleNamespace(vocab_size=64, first_real_id=6))
-    for phase in (1, 2):
-        with pytest.raises(Probed):
-            student_recipe.step_seconds(config, phase, length=4)
+    assert [student_recipe.step_seconds(config, phase, length=4, steps=3)
+            for phase in (1, 2)] == [0.25, 0.25]
     ema_decay = config.student.optimizer.ema_decay  # the parameter average, as trained
     assert ema_decay is not None
-    assert timed == [(student_loss_settings(config.student, 1), ema_decay),
-                     (student_loss_settings(config.student, 2), ema_decay)]
+    assert compiled == [(student_loss_settings(config.student, 1), ema_decay),
+                        (student_loss_settings(config.student, 2), ema_decay)]
+    assert ran == [(index, step, True) for index in range(2) for step in range(1 + 3)]
 
 
 @pytest.mark.slow  # about a minute on 2 cores: each arm's probe and phases compile
