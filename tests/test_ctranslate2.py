@@ -287,5 +287,9 @@ def test_a_shortlist_ct2_translator_decodes_with_the_vocabulary_map(published, m
                                 batch_size=1)
     assert os.path.exists(os.path.join(ct2._ctranslate2.model_dir,
                                        ctranslate2_export.VMAP_FILE))
-    for source, translation in zip(ids, ct2.translate(SENTENCES)):
-        assert set(translation.tokens) <= set(shortlist.select(table, source[None]).tolist())
+    allowed = [set(shortlist.select(table, source[None]).tolist()) for source in ids]
+    kept = [set(t.tokens) for t in ct2.translate(SENTENCES)]
+    free = [set(t.tokens) for t in translator.Translator(
+        loaded, DecodeMethod("c", "ct2_greedy"), batch_size=1).translate(SENTENCES)]
+    assert all(tokens <= cands for tokens, cands in zip(kept, allowed))
+    assert any(not tokens <= cands for tokens, cands in zip(free, allowed))  # it restricts
