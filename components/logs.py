@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import traceback
 from typing import Any
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -23,6 +24,11 @@ QUIET_LOGGERS = (
 DROPPED_MESSAGES = ("Resource module is not available for current platform",
                     "CheckpointManagerOptions.read_only=True",
                     "Given directory is read only")
+# Clients whose errors are a retry's or a caller's to report: gcsfs logs the end of its
+# retries, and a request it does not retry, at ERROR with a traceback, where the caller
+# retries again (a lease renewal) or raises what the user reads as one line. Capped at
+# WARNING, in one line, so that a run that recovered does not read as failed.
+CLIENT_LOGGERS = ("gcsfs", "aiohttp", "google.auth")
 
 
 # A URL (scheme://...) up to a space, a quote, a bracket or fsspec's `::` chaining, less
@@ -53,6 +59,13 @@ def redact(text: str) -> str:
     return _URL.sub(lambda match: redact_url(match.group(0)), text) if "://" in text else text
 
 
+def format_exception(error: BaseException) -> str:
+    """`error`'s traceback as Python prints it, its causes included, every URL in it
+    redacted: a client's message names the URL it requested, secrets and all (aiohttp's
+    does, with the token a `${VAR}` in it expanded to)."""
+    return redact("".join(traceback.format_exception(error)))
+
+
 def redact_values(value: Any) -> Any:
     """`value` (JSON-like) with every URL in its strings redacted."""
     if isinstance(value, str):
@@ -65,12 +78,29 @@ def redact_values(value: Any) -> Any:
 
 
 class _Redact(logging.Filter):
-    """Redacts the URLs of every record, whoever logs it (a library that names a URL)."""
+    """Redacts the URLs of every record and of its traceback, whoever logs it (a library
+    that names a URL)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if "://" in message:
             record.msg, record.args = redact(message), ()
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            record.exc_text = format_exception(record.exc_info[1]).rstrip("\n")
+        return True
+
+
+class _CapClients(logging.Filter):
+    """A record of `CLIENT_LOGGERS` above WARNING becomes a WARNING of one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.WARNING and any(
+                record.name == name or record.name.startswith(f"{name}.")
+                for name in CLIENT_LOGGERS):
+            lines = record.getMessage().splitlines()
+            record.msg, record.args = lines[0] if lines else "", ()
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info = record.exc_text = record.stack_info = None
         return True
 
 
@@ -82,13 +112,14 @@ class _DropMessages(logging.Filter):
 def configure(level: int = logging.INFO) -> None:
     """`level` (INFO; DEBUG with `padir --debug`, which adds each stage's whole resolved
     config) to stderr, with the noisy libraries above at WARNING, the messages above
-    dropped and every URL redacted."""
+    dropped, the clients' errors capped at WARNING and every URL redacted, tracebacks
+    included."""
     logging.basicConfig(level=level, format=FORMAT)
     root = logging.getLogger()
     root.setLevel(level)  # also when something configured it first
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     for handler in root.handlers:
-        for kind in (_DropMessages, _Redact):
+        for kind in (_DropMessages, _CapClients, _Redact):
             if not any(isinstance(f, kind) for f in handler.filters):
                 handler.addFilter(kind())

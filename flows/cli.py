@@ -2,7 +2,8 @@
 
 Bad input (a config, a corpus, a missing artifact) ends in one line on stderr naming the
 file, line or key and the cause, and exit status 2; `--debug` shows the traceback instead,
-and DEBUG logs (the whole resolved config of each stage).
+and DEBUG logs (the whole resolved config of each stage). Any other error shows its
+traceback, with exit status 1. Every URL in a line or traceback is redacted (`logs.redact`).
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
     try:
         uris = flow.padir_pipeline(args.config, args.set, **selection)
     except flow.StageFailed as e:
-        print(f"padir: {e}\npadir: the stages before '{e.stage}' are reused when rerun",
-              file=sys.stderr)
+        print(f"padir: {logs.redact(str(e))}\npadir: the stages before '{e.stage}' are "
+              "reused when rerun", file=sys.stderr)
         if isinstance(e.__cause__, artifacts.StageStopped):
             return 3
         return 2 if isinstance(e.__cause__, USER_ERRORS) else 1
@@ -457,10 +458,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return PIPELINE_COMMANDS[args.command](args, config)
     except USER_ERRORS as e:
         if args.debug:
-            raise
+            parser.exit(2, logs.format_exception(e))
         parser.exit(2, f"padir: error: {logs.redact(str(e))}\n")
     except artifacts.StageStopped as e:  # LeaseLost too: one line, as a stop is
         parser.exit(3, f"padir: {e}\n")
+    except Exception as e:  # printed here, not by Python: redacted
+        parser.exit(1, logs.format_exception(e))
     return 0
 
 

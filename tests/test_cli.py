@@ -1,15 +1,17 @@
 """flows/cli.py: one line per bad input, `--debug`, and `padir translate`'s line contract."""
 
 import dataclasses
+import http.server
 import io
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from components import config as config_lib
+from components import logs
 from flows import cli, stages
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,10 +113,65 @@ def test_bad_input_is_one_line_and_exit_status_2(tmp_path, monkeypatch, capsys, 
     assert err.startswith("padir: error: ") and message in err and err.count("\n") == 1
 
 
-def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+def test_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(config_lib.ConfigError, match="missing.yaml: no such config file"):
-        cli.main(["--debug", "status", "missing.yaml"])
+    try:
+        with pytest.raises(SystemExit) as exit:
+            cli.main(["--debug", "status", "missing.yaml"])
+    finally:
+        logs.configure()  # INFO again for the tests after
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith("Traceback (most recent call last):\n")
+    assert err.endswith("components.config.ConfigError: missing.yaml: no such config file\n")
+
+
+def test_any_other_error_is_its_traceback_redacted_and_exit_status_1(monkeypatch, capsys):
+    def fails(*args, **kwargs):
+        try:
+            raise OSError("GET https://u:hunter2@h/x?token=s3cr3t: reset")
+        except OSError as e:
+            raise RuntimeError("reading https://h/y?sig=s3cr3t failed") from e
+
+    monkeypatch.setattr(cli.datasets, "load_config", fails)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["status", "any.yaml"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 1 and err.startswith("Traceback (most recent call last):\n")
+    assert "OSError: GET https://***@h/x?token=***: reset\n" in err
+    assert err.endswith("RuntimeError: reading https://h/y?sig=*** failed\n")
+    assert "s3cr3t" not in err and "hunter2" not in err
+
+
+@pytest.mark.slow  # a `padir` interpreter
+def test_debug_output_of_a_refused_corpus_url_holds_no_secret(tmp_path):
+    """`padir --debug stage prepare` on a corpus URL with a password and a `${TOKEN}` query
+    whose GET the server refuses (403): its DEBUG logs and the traceback, aiohttp's message
+    in it too, name the URL with its secrets redacted."""
+    from test_corpus import _Refusing
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"127.0.0.1:{server.server_address[1]}/headok/403/train"
+    config = tmp_path / "refused.yaml"
+    config.write_text(
+        f"workdir: {tmp_path / 'work'}\n"
+        "data: {source_lang: en, target_lang: de, train: {source: "
+        f"'http://user:hunter2@{url}.en?token=${{PADIR_TEST_TOKEN}}', "
+        f"target: 'http://{url}.de'}}}}\n")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flows.cli", "--debug", "stage", "prepare",
+                               str(config)], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO,
+                                       PADIR_TEST_TOKEN="s3cr3t-t0ken"), timeout=300)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 2
+    assert f"ClientResponseError: 403, message='Forbidden', url='http://{url}.en?token=***'" \
+        in proc.stderr  # aiohttp's own message names the URL it requested
+    assert proc.stderr.endswith(f"CorpusError: data.train.source: cannot read "
+                                f"http://***@{url}.en?token=***: HTTP 403 Forbidden\n")
+    assert "DEBUG" in proc.stderr
+    assert "s3cr3t" not in proc.stderr + proc.stdout and "hunter2" not in proc.stderr
 
 
 def test_padir_keeps_compiled_programs_in_the_users_cache(tmp_path):

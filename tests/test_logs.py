@@ -1,7 +1,10 @@
 """components/logs.py: one logging set-up for every entry point."""
 
+import asyncio
+import io
 import logging
 
+import gcsfs.retry
 import pytest
 
 from components import logs
@@ -52,3 +55,45 @@ def test_every_log_record_and_manifest_value_is_redacted():
     assert record.getMessage() == "fetching https://h/f?token=***"
     assert logs.redact_values({"corpus": ["https://u:p@h/f"], "n": 3}) == \
         {"corpus": ["https://***@h/f"], "n": 3}
+
+
+@pytest.fixture
+def logged():
+    """What the handlers `logs.configure` sets up print, as a string."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(logs.FORMAT))
+    logging.getLogger().addHandler(handler)
+    logs.configure()
+    try:
+        yield stream
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def test_a_logged_traceback_is_redacted(logged):
+    try:
+        raise OSError("GET https://u:hunter2@h/x?token=s3cr3t: reset")
+    except OSError:
+        logging.getLogger("components.corpus").exception("reading failed")
+    text = logged.getvalue()
+    assert "Traceback (most recent call last)" in text
+    assert "OSError: GET https://***@h/x?token=***: reset" in text
+    assert "s3cr3t" not in text and "hunter2" not in text
+
+
+def test_gcsfs_out_of_retries_is_one_warning_line_and_a_real_error_stays_an_error(logged):
+    """gcsfs logs the end of its retries at ERROR with a traceback; its caller retries (a
+    lease renewal) or reports the failure: one WARNING line, redacted. Errors of the
+    project's own loggers are left as they are."""
+    @gcsfs.retry.retry_request(retries=1)
+    async def unavailable():
+        raise gcsfs.retry.HttpError({"code": 503, "message": "https://h/o?token=s3cr3t\nbody"})
+
+    with pytest.raises(gcsfs.retry.HttpError):
+        asyncio.run(unavailable())
+    logging.getLogger("components.artifacts").error("a stage failed")
+    lines = logged.getvalue().splitlines()
+    assert [line.split(" ", 3)[2:] for line in lines] == [
+        ["WARNING", "gcsfs: unavailable out of retries on exception: https://h/o?token=***"],
+        ["ERROR", "components.artifacts: a stage failed"]]
