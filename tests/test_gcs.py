@@ -404,17 +404,19 @@ def test_a_checkpoint_saved_to_gs_restores_bitwise(gcs):
         assert np.array_equal(np.asarray(want), np.asarray(got))
 
 
-# The teacher stage with a pause after each batch, so that a kill lands between checkpoints.
-SLOW_STAGE = """
+# The teacher stage held at its fifth batch: steps 1-4 done, the checkpoint of step 3 (the
+# tiny loop checkpoints every 3) saved, and nothing after it, until the test kills it.
+HELD_STAGE = """
 import sys, time
 from flows import cli
 from model import input_pipeline
 batches = input_pipeline.TrainingStream.batches
-def slowly(self, start_position=0):
-    for item in batches(self, start_position):
-        time.sleep(0.3)
+def held(self, start_position=0):
+    for i, item in enumerate(batches(self, start_position)):
+        if i == 4:
+            time.sleep(600)
         yield item
-input_pipeline.TrainingStream.batches = slowly
+input_pipeline.TrainingStream.batches = held
 sys.exit(cli.main(sys.argv[1:]))
 """
 
@@ -435,21 +437,22 @@ def test_the_teacher_killed_on_gs_resumes_bitwise_from_the_bucket(gcs_faults, tm
     key = dag.stage_key(config, "teacher")
     partial = artifacts.join(config.workdir, "teacher", f".partial-{key}", "checkpoints")
     committed = artifacts.filesystem(partial)[1] + "/*/commit_success.txt"  # orbax on GCS
-    process = subprocess.Popen([sys.executable, "-c", SLOW_STAGE, "stage", "teacher", path],
+    process = subprocess.Popen([sys.executable, "-c", HELD_STAGE, "stage", "teacher", path],
                                cwd=REPO, env=env, start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline:
         fs.invalidate_cache()
-        if fs.glob(committed):  # a checkpoint is in the bucket: kill before the next
-            os.killpg(process.pid, signal.SIGKILL)
+        if fs.glob(committed):  # the checkpoint is in the bucket
             break
         time.sleep(0.05)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the stage ended before it was killed"
     fs.invalidate_cache()
     steps = sorted(int(name.split("/")[-2]) for name in fs.glob(committed))
-    assert steps and max(steps) < 12
+    assert steps == [3]
 
     resumed = _cli(env, "stage", "teacher", path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
