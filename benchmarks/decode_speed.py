@@ -255,7 +255,7 @@ def _network_split(model: PaDIRModel, params: Any, encoded: jax.Array, memory_ma
     """The sub-blocks of the decoder, each the model's own Flax module on the parameters of
     decoder layer 0 (every layer has the same shapes), applied `CHAIN` times in one call
     (`_chained`): its attention sublayers (their key and value projections included), its
-    MLP, and the tied output projection with the non-target mask."""
+    MLP, and the tied output projection."""
     cfg = model.config
     rows, width = valid.shape
     layer = params["decoder"]["layer_0"]
@@ -286,9 +286,9 @@ def _network_split(model: PaDIRModel, params: Any, encoded: jax.Array, memory_ma
     mlp = transformer.MlpBlock(cfg)
     calls["mlp"] = (_chained(lambda p, h: mlp.apply({"params": p}, h, True)), (layer["mlp"], x))
 
-    def projection(embedding, y):  # transformer._output_logits, then pass_logits's mask
+    def projection(embedding, y):  # transformer._output_logits
         logits = jnp.dot(y, embedding.T.astype(y.dtype)) * cfg.d_model**-0.5
-        return transformer.mask_non_target_ids(logits.astype(jnp.float32))
+        return logits.astype(jnp.float32)
 
     calls["projection"] = (_chained(projection),
                            (params["token_embedding"]["embedding"], x))
@@ -373,7 +373,7 @@ def pass_profile(model: refinement.NARModel, params: Any, source: Any, *, max_le
                      f"attention, layer 0 x {layers} (per layer ms: {per_layer})",
                      level=1, times=layers),
             _renamed(measured["mlp"], f"MLP, layer 0 x {layers}", level=1, times=layers),
-            _renamed(measured["projection"], "output projection to the vocabulary + mask",
+            _renamed(measured["projection"], "output projection to the vocabulary",
                      level=1),
         ]
         parts += inner + [Part("rest: embedding, norms, residuals, masks, the call's own cost "

@@ -388,14 +388,15 @@ class PaDIRModel(_BaseModel):
         hypothesis: jax.Array, vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """One decoding pass over `decoder_memory`'s rows: hypothesis int32[N, T] ->
-        logits float32[N, T, V], non-target ids masked (as `decode_logits`); with
-        `vocab_ids` (a shortlist, reserved ids first) [N, T, K], column i for vocab_ids[i]."""
+        logits float32[N, T, V]; with `vocab_ids` (a shortlist, reserved ids first)
+        [N, T, K], column i for vocab_ids[i]. Unlike `decode_logits`, the non-target ids
+        are not masked: the decoders' reading of a pass (`refinement.read_logits`) leaves
+        them out, on the few columns they hold."""
         encoded, memory_mask, valid = memory
-        logits = self.module.apply(
+        return self.module.apply(
             {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
             method=PaDIRTransformer.decode,
         )
-        return mask_non_target_ids(logits)
 
     def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
         """One pass from an all-[MASK] input of the predicted length.

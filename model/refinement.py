@@ -63,7 +63,7 @@ import numpy as np
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED
 from model.models import masked_hypothesis
-from model.transformer import argmax_last, mask_non_target_ids
+from model.transformer import NON_TARGET_IDS, mask_non_target_ids, max_and_argmax, sum_exp
 
 Params = Any
 LogitsFn = Callable[[jax.Array], jax.Array]
@@ -98,7 +98,8 @@ class NARModel(Protocol):
     def pass_logits(self, params: Params, memory: Any, hypothesis: jax.Array,
                     vocab_ids: jax.Array | None = None) -> jax.Array:
         """One decoder pass: hypothesis int32[N, T] -> logits float32[N, T, V]; with a
-        shortlist vocab_ids int32[K] (reserved ids first), [N, T, K] for those ids."""
+        shortlist vocab_ids int32[K] (reserved ids first), [N, T, K] for those ids. The
+        non-target ids are not masked: `read_logits` leaves them out."""
 
 
 @flax.struct.dataclass
@@ -203,7 +204,7 @@ def _layout(lengths: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.A
 @flax.struct.dataclass
 class PassReading:
     """What the decoders read from one pass's logits, without a [N, T, V] log-softmax:
-    an argmax over the real pieces, a max over the few reserved ids, one exp-sum."""
+    a max and argmax over the real pieces, a max over the few reserved ids, one exp-sum."""
 
     prediction: jax.Array  # int32[N, T]: argmax over all target ids (ties: lowest id)
     best_real: jax.Array  # int32[N, T]: the most likely real piece (id >= NUM_RESERVED)
@@ -214,20 +215,20 @@ class PassReading:
 def read_logits(logits: jax.Array, vocab_ids: jax.Array | None = None) -> PassReading:
     """float[N, T, V] logits -> PassReading (probabilities over target ids only).
 
-    With a shortlist, logits are [N, T, K] and column i is id vocab_ids[i] (ids sorted,
-    so the reserved ids keep their columns); probabilities are then over the shortlist.
+    The logits are the network's own (`NARModel.pass_logits`: non-target ids not masked);
+    every reduction leaves the reserved ids out on the vocabulary's first block alone
+    (`transformer.max_and_argmax`), because a mask over [N, T, V] fused into a reduction
+    costs XLA:CPU several times the reduction. With a shortlist, logits are [N, T, K] and
+    column i is id vocab_ids[i] (ids sorted, so the reserved ids keep their columns);
+    probabilities are then over the shortlist.
     """
-    logits = mask_non_target_ids(logits.astype(jnp.float32))  # [N, T, V]
-    real = logits[..., NUM_RESERVED:]  # [N, T, V - R]
-    index = argmax_last(real)  # [N, T]
-    real_max = jnp.take_along_axis(real, index[..., None], axis=-1)[..., 0]  # [N, T]
-    reserved = logits[..., :NUM_RESERVED]  # [N, T, R]
+    logits = logits.astype(jnp.float32)
+    real_max, index = max_and_argmax(logits, range(NUM_RESERVED))  # [N, T]: a column
+    reserved = mask_non_target_ids(logits[..., :NUM_RESERVED])  # [N, T, R]: EOS, UNK
     reserved_max = jnp.max(reserved, axis=-1)  # [N, T]
-    top = jnp.maximum(real_max, reserved_max)  # [N, T]: the max over all ids
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top[..., None]), axis=-1))  # [N, T]
-    best_real = (index + NUM_RESERVED).astype(jnp.int32)  # [N, T]: a column
-    if vocab_ids is not None:
-        best_real = vocab_ids[best_real]  # [N, T]: its id
+    top = jnp.maximum(real_max, reserved_max)  # [N, T]: the max over all target ids
+    log_sum = jnp.log(sum_exp(logits, top, NON_TARGET_IDS))  # [N, T]
+    best_real = index if vocab_ids is None else vocab_ids[index]  # [N, T]: its id
     prediction = jnp.where(
         reserved_max >= real_max, jnp.argmax(reserved, axis=-1).astype(jnp.int32), best_real)
     return PassReading(

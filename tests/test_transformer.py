@@ -19,8 +19,10 @@ from model.transformer import (
     argmax_last,
     best_target_logit,
     mask_non_target_ids,
+    max_and_argmax,
     project_on_table,
     shift_right,
+    sum_exp,
 )
 
 VOCAB = 50
@@ -76,6 +78,38 @@ def test_argmax_last_is_jnp_argmax_ties_included():
     x[0, 0] = -1e9  # all equal, as masked logits
     np.testing.assert_array_equal(jax.jit(argmax_last)(x), np.argmax(x, axis=-1))
     assert argmax_last(x).dtype == jnp.int32
+
+
+@pytest.mark.parametrize("size", [40, 64, 4000, 4096, 8000, 127])
+def test_max_and_argmax_is_max_and_jnp_argmax_across_blocks(size):
+    """Ties inside a block, across blocks and in the last block go to the lowest index; a
+    size with no block divisor (127) is padded."""
+    rng = np.random.default_rng(size)
+    x = rng.integers(-4, 4, size=(7, size)).astype(np.float32)
+    x[1, -1] = 9.0  # the max alone in the last block
+    x[2, [5, size // 2, size - 1]] = 9.0  # tied across blocks: the first wins
+    x[3] = -1e9  # all equal, as masked logits
+    top, index = jax.jit(max_and_argmax)(x)
+    np.testing.assert_array_equal(index, np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(top, np.max(x, axis=-1))
+    assert index.dtype == jnp.int32 and index[1] == size - 1 and index[2] == 5
+
+
+def test_max_and_argmax_and_sum_exp_leave_the_excluded_ids_out():
+    x = np.random.default_rng(0).normal(size=(4, 3, 4000)).astype(np.float32)
+    x[0, :, PAD_ID] = 50.0  # an excluded id far above the rest: never chosen, never summed
+    x[1, :, MASK_ID] = 3.0
+    x[1, :, 3999] = 3.0  # tied with an excluded id: the kept one wins
+    excluded = (PAD_ID, BOS_ID, MASK_ID, LENGTH_ID)
+    masked = np.where(np.isin(np.arange(4000), excluded), -np.inf, x)
+    top, index = jax.jit(max_and_argmax, static_argnums=1)(x, excluded)
+    np.testing.assert_array_equal(index, np.argmax(masked, axis=-1))
+    np.testing.assert_array_equal(top, np.max(masked, axis=-1))
+    total = jax.jit(sum_exp, static_argnums=2)(x, top, excluded)
+    np.testing.assert_allclose(total, np.sum(np.exp(masked - top[..., None]), axis=-1),
+                               rtol=1e-5)
+    assert np.all(np.isfinite(total))
+    np.testing.assert_array_equal(argmax_ids(x), np.argmax(masked, axis=-1))
 
 
 def test_best_target_logit_is_the_max_of_the_masked_logits():
