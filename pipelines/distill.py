@@ -16,7 +16,8 @@ Contract:
             rejects-00000-of-00001.jsonl `{"id", "reason", "source", "target", "hypothesis",
                   "score", "source_tokens", "hypothesis_tokens"}` (target: the original;
                   hypothesis: the teacher's); reasons and filters in
-                  components/distillation.py;
+                  components/distillation.py; sorted by id, as every split: the same
+                  bytes on any runner and any number of workers (pipelines/shards.py);
             stats.json                   the figures of `DistillationStats.summary`;
             manifest.json   counts `read`, `kept`, `rejected.<reason>` (Beam counters; read
                   = kept + rejected, checked) and `dev`; metrics `length_ratio` and
@@ -71,7 +72,6 @@ NAMESPACE = "distill"  # of the Beam counters that become the manifest's counts
 # The counts every manifest has, 0 if none.
 COUNTER_NAMES = ("read", "kept", "dev", *(f"rejected.{reason}" for reason in distillation.REASONS))
 STATS_FILE = "stats.json"
-_SHARDS = "-SSSSS-of-NNNNN"
 
 
 # distill.engine -> the decoding kind of its beam search, both scoring every hypothesis.
@@ -186,10 +186,10 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
     )
     _ = (
         rejected
-        | "RejectRecords" >> beam.Map(lambda verdict: _to_json(verdict.reject_record()))
-        | "WriteRejects" >> beam.io.WriteToText(
-            artifacts.join(output_uri, corpus.REJECTS), file_name_suffix=".jsonl",
-            num_shards=1, shard_name_template=_SHARDS)
+        | "RejectRecords" >> beam.Map(lambda verdict: (verdict.id,
+                                                       _to_json(verdict.reject_record())))
+        | "WriteRejects" >> shards.WriteShards(artifacts.join(output_uri, corpus.REJECTS),
+                                               ".jsonl", 1, shards.write_lines)
     )
     types = verdicts | "CountTypes" >> CountTypes()
     _ = (
@@ -204,9 +204,9 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
         pipeline
         | "ReadDev" >> beam.io.ReadFromText(corpus.split_pattern(prepared_uri, corpus.DEV))
         | "CountDev" >> beam.Map(job.counted, NAMESPACE, "dev")
-        | "WriteDev" >> beam.io.WriteToText(
-            artifacts.join(output_uri, corpus.DEV), file_name_suffix=".jsonl",
-            num_shards=1, shard_name_template=_SHARDS)
+        | "KeyDev" >> beam.Map(lambda line: (json.loads(line)["id"], line))
+        | "WriteDev" >> shards.WriteShards(artifacts.join(output_uri, corpus.DEV), ".jsonl", 1,
+                                           shards.write_lines)
     )
 
 

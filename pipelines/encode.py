@@ -10,7 +10,8 @@ Contract:
                              ids = SentencePiece pieces + EOS (1);
             rejects/{split}-00000-of-00001.jsonl  pairs whose source or target, EOS
                              included, is longer than `encode.max_source_len` /
-                             `max_target_len` (reason `too_many_tokens`), with their text;
+                             `max_target_len` (reason `too_many_tokens`), with their text,
+                             sorted by id;
             stats/{split}.json  token length histogram, mean, p95, max per side and the
                              number of pairs per bucket boundary;
             manifest.json    counts `read.<split>`, `encoded.<split>`, `rejected.<split>`
@@ -170,10 +171,11 @@ class EncodeSplit(beam.PTransform):
         )
         _ = (
             outputs[REJECTS]
-            | "FormatRejects" >> beam.Map(json.dumps, ensure_ascii=False, sort_keys=True)
-            | "WriteRejects" >> beam.io.WriteToText(
-                artifacts.join(self.output_uri, "rejects", self.split),
-                file_name_suffix=".jsonl", num_shards=1)
+            | "FormatRejects" >> beam.Map(lambda reject: (reject["id"], json.dumps(
+                reject, ensure_ascii=False, sort_keys=True)))
+            | "WriteRejects" >> shards.WriteShards(
+                artifacts.join(self.output_uri, "rejects", self.split), ".jsonl", 1,
+                shards.write_lines)
         )
         _ = (
             outputs.encoded

@@ -183,6 +183,38 @@ def test_a_rerun_writes_identical_pairs_and_rejects(config, distilled):
     assert _lines(again.uri, "rejects") == rejects
 
 
+def _files(root: str) -> dict[str, bytes]:
+    return {os.path.relpath(os.path.join(folder, name), root):
+            open(os.path.join(folder, name), "rb").read()
+            for folder, _, names in os.walk(root) for name in names}
+
+
+@pytest.mark.slow  # two SDK worker processes, each restoring the teacher
+def test_two_worker_processes_write_the_same_bytes_as_one_in_process(config, tmp_path):
+    """As a Dataflow worker runs the SDK: batches and verdicts reach the writes in another
+    order, and every file is still the in-process run's, byte for byte (measured times
+    aside: the manifest's, and `decode_seconds` in stats.json)."""
+    for stage in ("prepare", "vocab", "teacher"):
+        os.symlink(dag.output_uri(config, stage).rsplit("/", 1)[0], tmp_path / stage)
+    own = config.replace(workdir=str(tmp_path))
+    in_process = _files(distill.run(own).uri)
+    manifest = json.loads(in_process.pop(artifacts.MANIFEST))
+    artifact = distill.run(own, pipeline_args=["--direct_running_mode=multi_processing",
+                                               "--direct_num_workers=2"])
+    two_workers = _files(artifact.uri)
+    assert json.loads(two_workers.pop(artifacts.MANIFEST))["counts"] == manifest["counts"]
+    stats = {name: json.loads(files.pop(distill.STATS_FILE))
+             for name, files in (("in_process", in_process), ("two_workers", two_workers))}
+    for figures in stats.values():
+        del figures["decode_seconds"]
+    assert stats["two_workers"] == stats["in_process"]
+    assert sorted(two_workers) == sorted(in_process) == [
+        "config.yaml", "dev-00000-of-00001.jsonl", "rejects-00000-of-00001.jsonl",
+        "train-00000-of-00001.jsonl"]
+    assert two_workers == in_process
+    assert manifest["counts"]["kept"] and len(in_process["rejects-00000-of-00001.jsonl"]) > 0
+
+
 def test_filters_reject_exactly_the_pairs_they_should(config, distilled):
     _, kept, _ = distilled
     tokenizer = Tokenizer.for_artifact(dag.require_input(config, "teacher"))
