@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from apache_beam.ml.inference.base import PredictionResult
 
+from benchmarks import floors as floors_lib
 from components import artifacts, corpus, dag, report
 from components import config as config_lib
 from components import records as records_lib
@@ -71,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="also write the report JSON here")
     parser.add_argument("--pass-profile", action="store_true",
                         help="also time one PaDIR pass and one AR greedy step part by part")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time each PaDIR and AR greedy method's floor beside it, "
+                             "sentence by sentence (benchmarks/floors.py)")
     parser.add_argument("--profile-calls", type=int, default=30,
                         help="timed calls per part of --pass-profile (medians)")
     return parser.parse_args(argv)
@@ -541,6 +545,42 @@ def print_pass_profiles(pairs: Sequence[dict], known: dict, translators: dict,
                                             source, max_len=max_len, repeats=repeats)) + "\n")
 
 
+FLOOR_KINDS = ("refine", "ar_greedy")  # the kinds `--floor` times (benchmarks/floors.py)
+
+
+def floor_of(floors: floors_lib.Floors, kind: str, source_ids: Sequence[int],
+             boundaries: Sequence[int], translation: Any) -> floors_lib.Floor:
+    """The floor of one sentence's decoding by a method of `kind`, from what it did: PaDIR,
+    its passes over the length it chose; AR greedy, one step per token it emitted."""
+    source_width, _ = records_lib.decoder_shape(len(source_ids), boundaries)
+    if kind == "refine":
+        return floors.padir(source_ids, source_width=source_width,
+                            length=len(translation.tokens), passes=translation.passes)
+    return floors.greedy(source_ids, source_width=source_width, steps=len(translation.tokens))
+
+
+def print_floors(translations: dict[str, list], floors: dict[str, list]) -> None:
+    """Each method beside its floor at batch 1 (medians over the sentences): the whole, the
+    encoder call and the search, and the method's median of its per-sentence ratios."""
+    header = (f"{'method':18} {'total ms':>9} {'floor':>7} {'x floor':>8} {'encode':>7} "
+              f"{'floor':>7} {'search':>7} {'floor':>7} {'host':>6}")
+    print("\nbatch 1, each method beside its floor (benchmarks/floors.py; medians, ms):")
+    print(header)
+    print("-" * len(header))
+    for name, done in floors.items():
+        methods = translations[name]
+        def ms(values):
+            return 1e3 * statistics.median(values)
+        ratio = statistics.median(t.batch_seconds / f.seconds for t, f in zip(methods, done))
+        print(f"{name:18} {ms([t.batch_seconds for t in methods]):9.2f} "
+              f"{ms([f.seconds for f in done]):7.2f} {ratio:7.2f}x "
+              f"{ms([t.encode_seconds for t in methods]):7.2f} "
+              f"{ms([f.encode_seconds for f in done]):7.2f} "
+              f"{ms([t.search_seconds for t in methods]):7.2f} "
+              f"{ms([f.search_seconds for f in done]):7.2f} "
+              f"{ms([t.batch_seconds - t.encode_seconds - t.search_seconds for t in methods]):6.2f}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = config_lib.load(args.config, args.set)
@@ -571,11 +611,21 @@ def main(argv=None) -> int:
     print(f"{test_set}: {len(pairs)} sentences, methods {names}, devices {jax.devices()}, "
           f"{os.cpu_count()} CPUs")
 
+    floor_names = [n for n in names if args.floor and known[n].kind in FLOOR_KINDS]
+    floors = {n: floors_lib.Floors(latency[n].loaded.model, latency[n].loaded.params)
+              for n in floor_names}
+    floor_times: dict[str, list] = {name: [] for name in floor_names}
     started = time.time()
     translations = {name: [] for name in names}
     for i, pair in enumerate(pairs):  # interleaved batch-1 pass
         for name in names[i % len(names):] + names[:i % len(names)]:
             translations[name].append(latency[name].translate([pair["source"]])[0])
+        for name in floor_names:  # each floor right after its method, on the same sentence
+            widest = latency[name].boundaries[-1]
+            ids = latency[name].loaded.tokenizer.encode([pair["source"]])[0][:widest - 1]
+            floor_times[name].append(floor_of(floors[name], known[name].kind, ids + [EOS_ID],
+                                              latency[name].boundaries,
+                                              translations[name][-1]))
     print(f"batch-1 pass: {time.time() - started:.1f} s")
     started = time.time()
     results = []
@@ -597,6 +647,8 @@ def main(argv=None) -> int:
     content = report.build_report({test_set: results})
     print_table(content["test_sets"][test_set], args.focus)
     print_breakdown(translations)
+    if floor_times:
+        print_floors(translations, floor_times)
     if args.pass_profile:
         print_pass_profiles(pairs, known, latency, translations, args.focus, args.profile_calls)
     if args.json:

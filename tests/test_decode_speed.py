@@ -4,10 +4,13 @@ import math
 import types
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from benchmarks import decode_speed
-from model.models import ARModel, PaDIRModel
+from benchmarks import decode_speed, floors
+from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model.models import ARModel, PaDIRModel, masked_hypothesis
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB
 
 
@@ -95,3 +98,48 @@ def test_print_pass_profiles_profiles_the_median_width_sentence_of_each_kind(ben
                     ("ar", "teacher", [row], 8, 5, {})]
     out = capsys.readouterr().out
     assert "sentence 1 (the median width of p4)" in out and out.count("| part | ms |") == 2
+
+
+def test_padir_floor_runs_its_passes_on_the_argmax_of_the_last():
+    model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL)
+    params = jax.jit(model.init)(jax.random.key(0), BATCH)
+    encoded, memory_mask = jax.jit(model.encode)(params, BATCH["source"])
+    length = 6
+    one = floors.padir_passes(model, params, encoded, memory_mask, 1, length=length)
+    hypothesis = masked_hypothesis(jnp.full((BATCH["source"].shape[0],), length), length)
+    memory = model.decoder_memory(params, encoded, memory_mask, hypothesis != PAD_ID)
+    network = jax.jit(model.pass_logits)
+    logits = network(params, memory, hypothesis)
+    expected = jnp.where(hypothesis == MASK_ID, jnp.argmax(logits, axis=-1), hypothesis)
+    np.testing.assert_array_equal(one, expected)
+    two = floors.padir_passes(model, params, encoded, memory_mask, 2, length=length)
+    logits = network(params, memory, expected)
+    np.testing.assert_array_equal(
+        two, jnp.where(hypothesis == MASK_ID, jnp.argmax(logits, axis=-1), hypothesis))
+    np.testing.assert_array_equal(
+        floors.padir_passes(model, params, encoded, memory_mask, 0, length=length), hypothesis)
+
+
+def test_greedy_floor_steps_are_greedys_steps():
+    model = ARModel(CONFIG, VOCAB)
+    params = jax.jit(model.init)(jax.random.key(0), BATCH)
+    encoded, memory_mask = jax.jit(model.encode)(params, BATCH["source"])
+    tokens = np.asarray(jax.jit(model.greedy, static_argnums=3)(params, encoded, memory_mask,
+                                                                 MAX_LEN))
+    for steps in (1, 3):
+        last = floors.greedy_steps(model, params, encoded, memory_mask, steps, slots=MAX_LEN)
+        before = ~np.any(tokens[:, :steps - 1] == EOS_ID, axis=1)  # rows still decoding
+        assert before.any()
+        np.testing.assert_array_equal(np.asarray(last)[before, 0], tokens[before, steps - 1])
+
+
+def test_floors_time_each_shape_after_compiling_it_once():
+    model = PaDIRModel(CONFIG, VOCAB, FIRST_REAL)
+    params = jax.jit(model.init)(jax.random.key(0), BATCH)
+    timer = floors.Floors(model, params)
+    source = [7, 8, 9, EOS_ID]
+    first = timer.padir(source, source_width=MAX_LEN, length=5, passes=4)
+    again = timer.padir(source, source_width=MAX_LEN, length=5, passes=2)  # no new shape
+    assert first.encode_seconds > 0 and first.search_seconds > 0
+    assert again.seconds == again.encode_seconds + again.search_seconds
+    assert timer._warm == {("encode", (1, 4)), ("padir", MAX_LEN, 5)}

@@ -1,0 +1,145 @@
+"""Each decoding method's floor: the plain network work of its shape, timed beside it.
+
+The floor of one sentence's decoding at batch 1 is what any decoder of that method must do:
+
+* **the encoder**: one jitted call of the model's encoder on the sentence's own source (no
+  bucket padding); PaDIR's with its length head;
+* **the search**: one jitted call that runs the method's network as a plain chain, each
+  pass's (or step's) argmax feeding the next and nothing else: PaDIR-k, k passes over the
+  length it chose (no width rounding, no acceptance, scores or convergence test); AR
+  greedy, one cached decoder step per token it emitted, into as many cache slots (no cap,
+  no stopping flags).
+
+A method at its floor spends its time in its network; `decode_speed --floor` prints each
+method beside it, encoder and search apart, so that the loop around the network has a figure.
+
+    floors = Floors(loaded.model, loaded.params)
+    floor = floors.padir(source_ids, source_width=16, length=18, passes=4)  # Floor
+    floor = floors.greedy(source_ids, source_width=16, steps=17)
+
+The passes and steps read the encoder's output at the method's source bucket
+(`source_width`), as the method does. Every call is compiled once per shape (source
+length; bucket and output length) before it is timed; the number of passes and steps is
+an argument, not a shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from components.tokenizer import BOS_ID, MASK_ID, PAD_ID
+from model.models import masked_hypothesis
+from model.transformer import argmax_last
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """One sentence's floor: its encoder call and its chain of passes or steps, in seconds."""
+
+    encode_seconds: float
+    search_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.encode_seconds + self.search_seconds
+
+
+def padir_passes(model: Any, params: Any, encoded: Any, memory_mask: jax.Array,
+                 passes: jax.Array, *, length: int) -> jax.Array:
+    """`passes` plain PaDIR passes over rows of `length` positions (EOS last): each pass's
+    argmax at the content positions is the next pass's input. Returns int32[B, length]."""
+    rows = memory_mask.shape[0]
+    hypothesis = masked_hypothesis(jnp.full((rows,), length, jnp.int32), length)  # [B, T]
+    content = hypothesis == MASK_ID  # [B, T]
+    memory = model.decoder_memory(params, encoded, memory_mask, hypothesis != PAD_ID)
+
+    def body(_, hypothesis):
+        logits = model.pass_logits(params, memory, hypothesis)  # [B, T, V]
+        return jnp.where(content, argmax_last(logits), hypothesis)
+
+    return jax.lax.fori_loop(0, passes, body, hypothesis)
+
+
+def greedy_steps(model: Any, params: Any, encoded: Any, memory_mask: jax.Array,
+                 steps: jax.Array, *, slots: int) -> jax.Array:
+    """`steps` plain cached AR decoder steps into `slots` cache slots: each step's argmax is
+    the next step's input. Returns the last ids int32[B, 1]."""
+    cache = model.init_cache(params, encoded, memory_mask, slots)
+    step = model.make_tokens_to_logits(params, encoded, memory_mask)
+
+    def body(_, carry):
+        ids, cache = carry
+        logits, cache = step(ids, cache)  # [B, V]
+        return argmax_last(logits)[:, None], cache
+
+    start = jnp.full((memory_mask.shape[0], 1), BOS_ID, jnp.int32)
+    return jax.lax.fori_loop(0, steps, body, (start, cache))[0]
+
+
+def _encode(model: Any, params: Any, source: jax.Array) -> tuple[Any, jax.Array, Any]:
+    """The encoder, and a PaDIR model's length head on its output: (encoded, memory_mask,
+    length logits or None)."""
+    encoded, memory_mask = model.encode(params, source)
+    lengths = model.length_logits(params, encoded) if hasattr(model, "length_logits") else None
+    return encoded, memory_mask, lengths
+
+
+def _timed(fn, *args) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - started
+
+
+class Floors:
+    """The floor calls of one model (an `ARModel` for `greedy`, a `PaDIRModel` for `padir`).
+
+    Each call is run once untimed per shape it has not met (it compiles), then timed."""
+
+    def __init__(self, model: Any, params: Any):
+        self.model, self.params = model, params
+        self._encode = jax.jit(functools.partial(_encode, model))
+        self._padir = jax.jit(functools.partial(padir_passes, model), static_argnames="length")
+        self._greedy = jax.jit(functools.partial(greedy_steps, model), static_argnames="slots")
+        self._warm: set[tuple] = set()
+
+    def _call(self, key: tuple, fn, *args) -> tuple[Any, float]:
+        if key not in self._warm:
+            self._warm.add(key)
+            jax.block_until_ready(fn(*args))
+        return _timed(fn, *args)
+
+    def _encoded(self, source_ids: Sequence[int], source_width: int) -> tuple[Any, float]:
+        """The encoder timed on the sentence's own length; what the passes or steps read
+        is its output at `source_width` (the method's bucket: one compilation of the
+        search per bucket and output length, not per source length), untimed."""
+        source = np.asarray([source_ids], np.int32)  # [1, S]
+        _, seconds = self._call(("encode", source.shape), self._encode, self.params, source)
+        padded = np.full((1, source_width), PAD_ID, np.int32)
+        padded[0, :len(source_ids)] = source_ids
+        return jax.block_until_ready(self._encode(self.params, padded)), seconds
+
+    def padir(self, source_ids: Sequence[int], *, source_width: int, length: int,
+              passes: int) -> Floor:
+        """PaDIR-k's floor: the encoder and its length head, then `passes` plain passes
+        over `length` positions (counting EOS)."""
+        (encoded, memory_mask, _), encode_seconds = self._encoded(source_ids, source_width)
+        fn = functools.partial(self._padir, length=length)
+        _, search_seconds = self._call(("padir", source_width, length), fn, self.params,
+                                       encoded, memory_mask, jnp.int32(passes))
+        return Floor(encode_seconds, search_seconds)
+
+    def greedy(self, source_ids: Sequence[int], *, source_width: int, steps: int) -> Floor:
+        """AR greedy's floor: the encoder, then `steps` plain cached steps into `steps`
+        cache slots."""
+        (encoded, memory_mask, _), encode_seconds = self._encoded(source_ids, source_width)
+        fn = functools.partial(self._greedy, slots=steps)
+        _, search_seconds = self._call(("greedy", source_width, steps), fn, self.params,
+                                       encoded, memory_mask, jnp.int32(steps))
+        return Floor(encode_seconds, search_seconds)
