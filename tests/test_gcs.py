@@ -1,26 +1,32 @@
 """The pipeline on `gs://` through the real clients (gcsfs, Beam's GcsIO, orbax/tensorstore)
 against fake-gcs-server on loopback (tests/gcs_emulator.py): the server's preconditions, the
 lease between processes, the data stages with their corpora in the bucket (the same files,
-byte for byte, as on local disk), a Beam stage SIGKILLed and rerun, the whole tiny DAG
+byte for byte, as on local disk), a Beam stage SIGKILLed and rerun, a Beam stage whose
+lease is taken over mid-job (exit status 3, nothing of its own left), the whole tiny DAG
 through `padir run` (equal to local disk's, rerun all Cached), checkpoints (the teacher
 SIGKILLed and resumed bitwise from the bucket), and the errors a bucket answers with. What the emulator cannot show: docs/gcs.md.
 """
 
+import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
+import fsspec
 import pytest
 
 from benchmarks import faults, leases
-from components import artifacts, dag
+from components import artifacts, corpus, dag
 from components import config as config_lib
 from flows import flow
+from pipelines import prepare
 from gcs_emulator import gcs, gcs_faults, gcs_server  # noqa: F401 (fixtures)
 from test_flow import FAST, task_states
 from tiny_experiment import DATA_ROOT, ensure, tiny_config
@@ -187,6 +193,79 @@ def test_a_writer_paused_past_the_stale_period_publishes_nothing(gcs_faults, at)
     assert trial.violations == [] and trial.reader_anomalies == []
     assert trial.outcomes[0] in ("LOST", "KEPT", "PUBLISHED") and \
         trial.outcomes[1] == "PUBLISHED", trial.outcomes
+
+
+@pytest.mark.dag
+def test_a_beam_stage_whose_lease_is_taken_over_mid_job_stops_with_exit_status_3(
+        gcs_faults, tmp_path, monkeypatch, capsys):
+    """The prepare job on the FnApiRunner, as in production: at its 50th pair another run
+    takes the lease over (as it would from a holder paused past the stale period) and
+    holds it; the job's next renewal finds it, and the stage stops there, its job
+    unfinished, with one line and exit status 3, leaving nothing of its own. The other run
+    then publishes, and the key holds its artifact."""
+    gcs, _ = gcs_faults
+    config = _gs_config(gcs, tmp_path)
+    path = tmp_path / "gs.yaml"
+    path.write_text(config_lib.dump(config))
+    key = dag.stage_key(config, "prepare")
+    monkeypatch.setattr(artifacts, "LEASE_RENEW_SECONDS", 0.05)
+    stopped, took, publish_theirs, theirs = threading.Event(), threading.Event(), \
+        threading.Event(), {}
+    stop = artifacts._Stopper.stop
+
+    def stop_and_tell(self, reason):
+        stop(self, reason)
+        stopped.set()
+
+    def other_run():
+        try:
+            with artifacts.write(config.workdir, "prepare", key, config={}, inputs={}) as out:
+                with fsspec.open(out.path("theirs.txt"), "w") as f:
+                    f.write("theirs")
+                out.counts["theirs"] = 1
+                theirs["tmp"] = out.tmp_uri.rsplit("/", 1)[-1]
+                took.set()
+                publish_theirs.wait(120)
+        except BaseException as e:  # reported by the test's thread
+            theirs["error"] = e
+            took.set()
+
+    other = threading.Thread(target=other_run)
+    pairs, clean_pair = itertools.count(1), corpus.clean_pair
+
+    def take_over_at_the_50th_pair(raw, settings):
+        if next(pairs) == 50:
+            with monkeypatch.context() as stale:
+                stale.setattr(artifacts, "_is_stale", lambda holder, age: True)
+                other.start()
+                took.wait(60)
+            stopped.wait(60)  # the stop lands at the stage's thread's next instruction
+        return clean_pair(raw, settings)
+
+    monkeypatch.setattr(artifacts._Stopper, "stop", stop_and_tell)
+    monkeypatch.setattr(corpus, "clean_pair", take_over_at_the_50th_pair)
+    finished = []
+    monkeypatch.setattr(prepare, "finish", lambda *args: finished.append(args))
+    try:
+        assert prepare.main(["--config", str(path)]) == 3
+        assert "error" not in theirs and stopped.is_set()
+        assert finished == []  # stopped inside the job, not at its end
+        assert re.fullmatch(rf"prepare: prepare/{key}: its lease was taken over by another "
+                            rf"run \(pid {os.getpid()} on .+ since .+\); this run stopped\n",
+                            capsys.readouterr().err)
+        fs, stage_path = artifacts.filesystem(artifacts.join(config.workdir, "prepare"))
+        fs.invalidate_cache()
+        # Nothing of its own is left: the lease and the work are the other run's.
+        assert sorted(name.rsplit("/", 1)[-1] for name in fs.ls(stage_path, detail=False)) \
+            == sorted([f".lease-{key}", theirs["tmp"]])
+    finally:
+        publish_theirs.set()
+        other.join(120)
+    artifact = artifacts.require(config.workdir, "prepare", key)
+    assert artifact.manifest["counts"] == {"theirs": 1}
+    assert sorted(name.rsplit("/", 1)[-1] for name in fs.ls(artifact.uri, detail=False)) == \
+        ["manifest.json", "theirs.txt"]
+    assert sorted(fs.ls(stage_path, detail=False)) == [artifacts.filesystem(artifact.uri)[1]]
 
 
 # --- the data stages on gs:// --------------------------------------------------------------
