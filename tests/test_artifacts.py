@@ -1,9 +1,12 @@
 """components/artifacts.py: atomic publication, completeness, leases, on local disk and on
 `gs://` (a GCS emulator on loopback, tests/gcs_emulator.py)."""
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
+import posixpath
 import socket
 import subprocess
 import threading
@@ -352,6 +355,135 @@ def test_a_writer_that_lost_its_lease_keeps_the_artifact_another_run_published(w
     assert _names(artifact.uri) == ["manifest.json", "theirs.txt"]
     assert artifact.manifest == {"stage": "prepare", "key": "k1"}
     assert _names(artifacts.join(workdir, "prepare")) == [".lease-k1", "k1"]
+
+
+def _take_over(other: contextlib.ExitStack, workdir: str, monkeypatch):
+    """Another run takes the lease of prepare/k1 and holds it until `other` closes: on
+    gs:// as from a holder paused past the stale period (finishing the publication
+    recorded in it first); locally after a hand removed the lease file."""
+    if not workdir.startswith("gs://"):
+        os.unlink(artifacts.lease_uri(workdir, "prepare", "k1"))
+    with monkeypatch.context() as stale:
+        stale.setattr(artifacts, "_is_stale", lambda holder, age: True)
+        return other.enter_context(artifacts.lease(workdir, "prepare", "k1"))
+
+
+@pytest.mark.parametrize("at", ["before", "between", "after"])
+def test_a_gcs_publish_whose_lease_is_taken_over_before_between_or_after_its_copies(
+        gcs_faults, monkeypatch, caplog, at):
+    """A publish on gs:// commits (records its copies in its lease object), then copies
+    object by object, the manifest last. Taken over before the commit, it publishes
+    nothing; between two copies, the run that took over finishes the recorded publication
+    and the old holder stops at its next copy; after the copies, the publication stands
+    and the new holder's lease is left alone."""
+    workdir = gcs_faults[0].uri(uuid.uuid4().hex[:8], "work")
+    other, taken, copied = contextlib.ExitStack(), [], []
+    publish, copy = artifacts._GcsLease.publish, artifacts._GcsLease._copy
+
+    def take_over_first(self, *args, **kwargs):
+        taken.append(_take_over(other, workdir, monkeypatch))
+        return publish(self, *args, **kwargs)
+
+    def copy_then_take_over(self, source, destination, generation):
+        copy(self, source, destination, generation)
+        copied.append(posixpath.basename(destination))
+        if not taken and (at == "between" or copied[-1] == artifacts.MANIFEST):
+            taken.append(None)  # the copies of the run taking over come through here too
+            taken[0] = _take_over(other, workdir, monkeypatch)
+
+    if at == "before":
+        monkeypatch.setattr(artifacts._GcsLease, "publish", take_over_first)
+    else:
+        monkeypatch.setattr(artifacts._GcsLease, "_copy", copy_then_take_over)
+    final = artifacts.location(workdir, "prepare", "k1")
+    mine = {"a.txt": "mine", "b.txt": "mine"}
+    with other, caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        if at == "after":
+            _publish(workdir, "k1", mine)
+        else:
+            with pytest.raises(artifacts.LeaseLost) as lost:
+                _publish(workdir, "k1", mine)
+        if at == "before":
+            assert str(lost.value).endswith("before this run published; it published nothing")
+            assert copied == [] and not artifacts.is_complete(final)
+        else:  # published whole: by this run, or finished by the run that took over
+            assert copied[0] == "a.txt" and artifacts.is_complete(final)
+            assert _names(final) == ["a.txt", "b.txt", "config.yaml", "manifest.json"]
+            with fsspec.open(artifacts.join(final, "b.txt"), "r") as f:
+                assert f.read() == "mine"
+        if at == "between":
+            assert str(lost.value) == ("prepare/k1: its lease was taken over while this run "
+                                       "published; the new holder finishes the publication")
+            assert "finishing the publication of the run taken over from" in caplog.text
+            # This run's first copy; the rest made by the run that took over (its copy of
+            # a.txt refused, as made); then this run's copy of b.txt refused, and it stopped.
+            assert copied == ["a.txt", "b.txt", "config.yaml", "manifest.json"]
+        if at == "after":
+            assert copied == ["a.txt", "b.txt", "config.yaml", "manifest.json"]
+            assert "the lease was taken over meanwhile; left to its new holder" in caplog.text
+        assert taken[0].holds()  # the new holder's lease, left alone
+        assert _names(artifacts.join(workdir, "prepare")) == \
+            [".lease-k1"] + ([] if at == "before" else ["k1"])  # no temporary directory
+    assert _names(artifacts.join(workdir, "prepare")) == ([] if at == "before" else ["k1"])
+
+
+@pytest.mark.parametrize("at", ["before", "during", "after"])
+def test_a_local_publish_whose_lease_is_lost_before_during_or_after_its_rename(
+        tmp_path, monkeypatch, caplog, at):
+    """Locally the publish is one rename, its lease checked and the rename made under the
+    stage's lock. A lease lost before it publishes nothing; between the check and the
+    rename no run can take the lease (it waits for the lock, and then finds the artifact
+    published); after it, the publication stands and the new holder's lease file is left
+    alone."""
+    workdir = str(tmp_path / "work")
+    stage_dir, final = tmp_path / "work" / "prepare", artifacts.location(workdir, "prepare", "k1")
+    other, taken, found = contextlib.ExitStack(), [], []
+    publish, rename = artifacts._LocalLease.publish, artifacts._rename_into_free
+
+    def take_over_around(self, *args, **kwargs):
+        if at == "before":
+            taken.append(_take_over(other, workdir, monkeypatch))
+        publish(self, *args, **kwargs)
+        if at == "after":
+            taken.append(_take_over(other, workdir, monkeypatch))
+
+    def rename_while_another_run_waits(source, destination):
+        fd = os.open(stage_dir, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):  # the lock every run takes its lease under
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+        os.unlink(artifacts.lease_uri(workdir, "prepare", "k1"))
+        waiting.start()
+        return rename(source, destination)
+
+    def take_the_lease():
+        with artifacts.lease(workdir, "prepare", "k1"):
+            found.append(artifacts.is_complete(final))
+
+    waiting = threading.Thread(target=take_the_lease)
+    if at == "during":
+        monkeypatch.setattr(artifacts, "_rename_into_free", rename_while_another_run_waits)
+    else:
+        monkeypatch.setattr(artifacts._LocalLease, "publish", take_over_around)
+    with other, caplog.at_level(logging.WARNING, logger="components.artifacts"):
+        if at == "before":
+            with pytest.raises(artifacts.LeaseLost,
+                               match="its lease file .* was removed or replaced while this "
+                                     "run wrote; it published nothing"):
+                _publish(workdir, "k1", {"a.txt": "mine"})
+            assert not artifacts.is_complete(final)
+            assert sorted(os.listdir(stage_dir)) == [".lease-k1"]  # theirs; no tmp
+        else:
+            assert _names(_publish(workdir, "k1", {"a.txt": "mine"}).uri) == \
+                ["a.txt", "config.yaml", "manifest.json"]
+        if at == "during":
+            waiting.join(60)
+            assert found == [True]  # it took the lease once the artifact was in place
+        if at == "after":
+            assert sorted(os.listdir(stage_dir)) == [".lease-k1", "k1"]
+        if taken:
+            assert taken[0].holds()  # the new holder's lease file, left alone
+    assert os.listdir(stage_dir) == ([] if at == "before" else ["k1"])
 
 
 # --- renewals on gs:// --------------------------------------------------------------------
