@@ -183,7 +183,8 @@ def test_a_writer_paused_past_the_stale_period_publishes_nothing(gcs_faults, at)
     the artifact that was there, while a reader reads it; the first resumes (SIGCONT). It
     stops or keeps the other's artifact: the published artifact is whole, the second
     writer's, and the reader never met a missing or torn file (benchmarks/leases.py runs
-    this at random moments)."""
+    this at random moments). Which of its paths the first took depends on where the pause
+    fell; test_artifacts.py's publish-branch tests take each one at a chosen point."""
     gcs, _ = gcs_faults
     stale = 3.0  # its holders give up after 1.5 s without a renewal: slack for a busy CI
     plan = leases.Plan(action="pause", at=at, pause=2 * stale, second_after=0.1, body=0.3,
