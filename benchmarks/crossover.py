@@ -20,8 +20,8 @@ batched (`--batch-size` rows, sentences/s):
   included: `passes` says how many it ran);
 * `CT2 greedy` in float32 and int8, of the teacher's shape and of the AR student's (the
   same encoder, one decoder layer), exported with model/ctranslate2_export.py and run in a
-  process of its own (model/ctranslate2_worker.py) at the thread setting that its sweep's
-  grid finds fastest for the regime on this shape.
+  process of its own (model/ctranslate2_worker.py; on CUDA where JAX runs on a GPU) at
+  the thread setting that its sweep's grid finds fastest for the regime on this shape.
 
 The plot draws each PaDIR row's speedup over the fastest AR row of its shape and regime;
 the summary names the smallest shape where a PaDIR row is faster (the crossover), or says
@@ -51,6 +51,8 @@ from model.ctranslate2_search import Threads
 from model.models import ARModel, PaDIRModel
 from model.transformer import NON_TARGET_IDS
 
+SHAPES, VOCABS = "128x4,256x6,512x6,1024x6", "8000,32000"
+LENGTH, SENTENCES = 20, 20  # source and output tokens; batch-1 sources
 PADIR_PASSES = (1, 2, 4)
 CT2_TYPES = ("float32", "int8")
 AR = "AR"  # the kind of a row that a PaDIR row is compared with
@@ -67,6 +69,13 @@ class Shape:
     @property
     def name(self) -> str:
         return f"{self.d_model}x{self.layers}, V {self.vocab:,}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Shape":
+        """The shape of a `name` ("128x4, V 8,000")."""
+        size, vocab = name.split(", V ")
+        d_model, layers = size.split("x")
+        return cls(int(d_model), int(layers), int(vocab.replace(",", "")))
 
     def config(self, length: int, *, decoder_layers: Optional[int] = None,
                dtype: str = "float32") -> ModelConfig:
@@ -100,10 +109,10 @@ class Row:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="128x4,256x6,512x6,1024x6")
-    parser.add_argument("--vocabs", default="8000,32000")
-    parser.add_argument("--length", type=int, default=20, help="source and output tokens")
-    parser.add_argument("--sentences", type=int, default=20, help="batch-1 sources")
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--vocabs", default=VOCABS)
+    parser.add_argument("--length", type=int, default=LENGTH, help="source and output tokens")
+    parser.add_argument("--sentences", type=int, default=SENTENCES, help="batch-1 sources")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--dtypes", default="float32", help="of our JAX rows, e.g. "
                         "float32,bfloat16")
@@ -225,7 +234,8 @@ def ct2_rows(shape: Shape, length: int, source: np.ndarray, batch: np.ndarray,
                     timings = {}
                     for threads in ctranslate2_sweep.grid(regime, cpus):
                         worker = ctranslate2_search.Worker(
-                            model_dir, device="cpu", compute_type=compute_type, threads=threads)
+                            model_dir, device=ctranslate2_search.device(),
+                            compute_type=compute_type, threads=threads)
                         try:
                             if regime == ctranslate2_sweep.LATENCY:
                                 worker.translate(as_rows[:1], options)  # warm
@@ -253,11 +263,11 @@ def ct2_rows(shape: Shape, length: int, source: np.ndarray, batch: np.ndarray,
     return out
 
 
-def measure(shape: Shape, args: argparse.Namespace, dtype: str) -> list[Row]:
+def measure(shape: Shape, *, length: int, sentences: int, batch_size: int, dtype: str,
+            ctranslate2: bool) -> list[Row]:
     """Every row of one shape (see the module docstring)."""
-    length = args.length
-    source = sources(args.sentences, length, shape.vocab)
-    batch = sources(args.batch_size, length, shape.vocab, seed=1)
+    source = sources(sentences, length, shape.vocab)
+    batch = sources(batch_size, length, shape.vocab, seed=1)
     jax_methods = JaxMethods(shape, length, dtype)
     suffix = "" if dtype == "float32" else f" {dtype}"
     ar_count, padir_count = _count(jax_methods.ar_params), _count(jax_methods.padir_params)
@@ -294,7 +304,7 @@ def measure(shape: Shape, args: argparse.Namespace, dtype: str) -> list[Row]:
         rows.append(Row(shape.name, count, name, kind, latency[name],
                         len(batch) / batched if batched else float("nan"),
                         passes=float(np.mean(passes[name]))))
-    if not args.no_ctranslate2 and dtype == "float32":
+    if ctranslate2 and dtype == "float32":
         student = ARModel(shape.config(length, decoder_layers=1), shape.vocab)
         student_params = _init(student, length, seed=1)
         rows += ct2_rows(shape, length, source, batch,
@@ -370,25 +380,39 @@ def plot(speedup_rows: Sequence[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    print(f"devices {jax.devices()}; length {args.length}; {args.sentences} sentences at "
-          f"batch 1, {args.batch_size} batched", flush=True)
+def sweep(shape_list: Sequence[Shape], *, length: int, sentences: int, batch_size: int,
+          dtypes: Sequence[str] = ("float32",), ctranslate2: bool = True) -> dict:
+    """Every row of every shape, printed shape by shape, then the crossover in each regime:
+    {"length", "devices", "rows", "speedups", "crossover"} (what --json writes)."""
+    print(f"devices {jax.devices()}; length {length}; {sentences} sentences at batch 1, "
+          f"{batch_size} batched", flush=True)
     rows = []
-    for shape in shapes(args.shapes, args.vocabs):
-        for dtype in args.dtypes.split(","):
+    for shape in shape_list:
+        for dtype in dtypes:
             started = time.time()
-            measured = [r.summary() for r in measure(shape, args, dtype)]
+            measured = [r.summary() for r in measure(
+                shape, length=length, sentences=sentences, batch_size=batch_size, dtype=dtype,
+                ctranslate2=ctranslate2)]
             rows += measured
             print(f"\n{shape.name} ({dtype}, {time.time() - started:.0f} s)\n"
                   f"{table(measured)}", flush=True)
     found = speedups(rows)
-    print("\n" + "\n".join(crossover(found, regime) for regime in ("batch1", "batched")))
+    lines = [crossover(found, regime) for regime in ("batch1", "batched")]
+    print("\n" + "\n".join(lines), flush=True)
+    return {"length": length, "devices": [str(d) for d in jax.devices()], "rows": rows,
+            "speedups": found, "crossover": lines}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    figures = sweep(shapes(args.shapes, args.vocabs), length=args.length,
+                    sentences=args.sentences, batch_size=args.batch_size,
+                    dtypes=args.dtypes.split(","), ctranslate2=not args.no_ctranslate2)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "speedups": found}, f, indent=2)
+            json.dump(figures, f, indent=2)
     if args.plot:
-        plot(found, args.plot)
+        plot(figures["speedups"], args.plot)
     return 0
 
 

@@ -27,6 +27,9 @@ pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
          model/train.py's `train_step` for the teacher and both student phases (phase 1 one
          stage, phase 2 the unrolled loss with the config's settings), over the packed
          batches, after a compiling step per shape;
+       * with `--crossover SHAPES`, benchmarks/crossover.py's sweep of those shapes (random
+         models, fixed lengths; CTranslate2's rows when it imports), whose figures replace
+         benchmarks/latency_model.py's projection for this device;
        * the budget line (`--budget 1,4,16`; `none` skips it): the student trained from the
          packed training set as its stage trains it (model/train.py `train_student`) for
          each multiple of its config's phase1_steps and phase2_steps, then decoded with
@@ -553,11 +556,13 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
 
 
 def run(directory: str, *, latency_sentences: int, batch_size: int, train_steps: int,
-        budget: Sequence[int], minutes: float) -> dict:
+        budget: Sequence[int], minutes: float, crossover_shapes: str = "",
+        crossover_vocabs: str = "") -> dict:
     """The measurements, printed; returns {"devices", "report", "training", "budget",
-    "seconds"}."""
+    "crossover", "seconds"}."""
     import jax
 
+    from benchmarks import crossover
     from components import report
 
     started = time.time()
@@ -581,11 +586,17 @@ def run(directory: str, *, latency_sentences: int, batch_size: int, train_steps:
     print(f"training probe: {time.time() - started:.0f} s", flush=True)
     points = budget_line(directory, about, loaded, pairs, multiples=budget, deadline=deadline,
                          batch_size=batch_size) if budget else []
+    swept = crossover.sweep(crossover.shapes(crossover_shapes,
+                                             crossover_vocabs or crossover.VOCABS),
+                            length=crossover.LENGTH, sentences=crossover.SENTENCES,
+                            batch_size=batch_size, ctranslate2=ctranslate2_importable()
+                            ) if crossover_shapes else None
     seconds = time.time() - started
     print(f"total: {seconds:.0f} s", flush=True)
     return {"devices": [str(d) for d in jax.devices()], "report": content,
             "training": [dataclasses.asdict(rate) for rate in rates],
-            "budget": [dataclasses.asdict(point) for point in points], "seconds": seconds}
+            "budget": [dataclasses.asdict(point) for point in points], "crossover": swept,
+            "seconds": seconds}
 
 
 def _multiples(text: str) -> tuple[int, ...]:
@@ -621,6 +632,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--minutes", type=float, default=8.0,
                         help="with --run: the budget line trains only while the run has lasted "
                              "less than this")
+    parser.add_argument("--crossover", default="", metavar="SHAPES",
+                        help="with --run: also benchmarks/crossover.py's sweep of these shapes "
+                             "(e.g. 128x4,512x6,1024x6)")
+    parser.add_argument("--crossover-vocabs", default="", metavar="SIZES",
+                        help="with --crossover: its vocabularies (default: the sweep's)")
     parser.add_argument("--json", metavar="PATH", help="with --run: also write the figures")
     return parser.parse_args(argv)
 
@@ -637,7 +653,8 @@ def main(argv=None) -> int:
         return 0
     figures = run(args.run, latency_sentences=args.latency_sentences,
                   batch_size=args.batch_size, train_steps=args.train_steps,
-                  budget=args.budget, minutes=args.minutes)
+                  budget=args.budget, minutes=args.minutes, crossover_shapes=args.crossover,
+                  crossover_vocabs=args.crossover_vocabs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2, ensure_ascii=False)

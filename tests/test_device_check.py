@@ -28,7 +28,7 @@ sys.path.insert(0, ".")
 from benchmarks import device_check
 device_check.main(["--run", {pack!r}, "--latency-sentences", "3", "--batch-size", "4",
                    "--train-steps", "2", "--budget", "1,2", "--minutes", "120",
-                   "--json", {out!r}])
+                   "--crossover", "32x1", "--crossover-vocabs", "300", "--json", {out!r}])
 loaded = sorted(n for n in sys.modules if n.split(".")[0] in {heavy!r} and sys.modules[n])
 print("HEAVY", json.dumps(loaded))
 """
@@ -212,3 +212,9 @@ def test_run_measures_every_row_and_probe_without_tensorflow_beam_or_prefect(pac
             for p in figures["budget"]] == [(1, 4, 4, True), (2, 8, 8, True)]
     assert all(p["bleu"] >= 0 and p["train_s"] > 0 for p in figures["budget"])
     assert "budget line   2x: 8/8 steps" in done.stdout
+    swept = figures["crossover"]  # the sweep's rows on this device, a floor beside each method
+    methods = [row["method"] for row in swept["rows"]]
+    assert methods[:8] == ["floor AR", "JAX greedy", "floor PaDIR-1", "JAX PaDIR-1",
+                           "floor PaDIR-2", "JAX PaDIR-2", "floor PaDIR-4", "JAX PaDIR-4"]
+    assert all(row["median_ms"] > 0 for row in swept["rows"])
+    assert len(swept["crossover"]) == 2

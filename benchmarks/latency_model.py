@@ -1,0 +1,250 @@
+"""A latency model of AR greedy and PaDIR-k at batch 1: the work each does, counted from the
+compiled programs, over this machine's measured rates, checked against the floors that
+benchmarks/crossover.py measured; then the same counts over an accelerator's published
+figures, as a projection.
+
+    python -m benchmarks.latency_model --crossover crossover.json [--json model.json]
+
+Counted, per shape of the crossover run (its random models, batch 1, its length L), from
+XLA's cost analysis of three programs: the encoder call, one cached AR step, one PaDIR
+pass over L positions: FLOPs, bytes accessed, and operations (the instructions of the
+compiled program outside fusions: each is a kernel the runtime dispatches). A sentence is
+AR greedy = encoder + L steps, PaDIR-k = encoder + k passes.
+
+The model of one call: max(FLOPs / matmul rate, bytes / bandwidth) + operations x the cost
+of one operation. Measured here: the matmul rate of a large matmul; the read bandwidth of
+a working set the size of the model's parameters (a small model stays in the caches); the
+cost of one operation, from a chain of small matmuls that cannot fuse. The prediction is
+checked against crossover's `floor AR` and `floor PaDIR-k` rows (the same work, timed).
+
+Projection rows (never a measurement): the same counts with the FLOPs at bfloat16 (bytes
+halved) on an H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s) and a TPU v3 core pair as the
+paper ran (123 TFLOP/s bf16, 900 GB/s), each with an assumed cost per operation
+(`ACCELERATORS`). `benchmarks/device_check.py` runs on a GPU what would replace them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import crossover
+from components.tokenizer import NUM_RESERVED
+from model.models import ARModel, PaDIRModel, masked_hypothesis
+
+BF16_BYTES = 0.5  # bytes of a bfloat16 program relative to float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What a machine does per second, and what one operation costs it."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: Callable[[float], float]  # of a working set of that many bytes
+    seconds_per_op: float
+    measured: bool  # False: a projection from published figures
+
+
+# Published peak figures; the cost per operation is an assumption (a kernel launch on a
+# GPU, a step of the TPU's program), stated here because nothing on this machine measures it.
+ACCELERATORS = (
+    Rates("H100 SXM, bf16 (projection)", 989e12, lambda _: 3.35e12, 4e-6, False),
+    Rates("TPU v3, bf16 (projection)", 123e12, lambda _: 900e9, 1e-6, False),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One call's work, from the compiled program."""
+
+    flops: float
+    bytes: float
+    ops: int
+
+    def seconds(self, rates: Rates, working_set: float, scale_bytes: float = 1.0) -> float:
+        return (max(self.flops / rates.flops_per_s,
+                    scale_bytes * self.bytes / rates.bytes_per_s(working_set))
+                + self.ops * rates.seconds_per_op)
+
+
+_SKIPPED = ("parameter(", "constant(", "get-tuple-element(", "tuple(", "bitcast(")
+
+
+def count_ops(hlo: str) -> int:
+    """Instructions of the entry computation and of loop bodies (parameters, constants,
+    tuples and bitcasts left out): what XLA's runtime runs one by one."""
+    count, inside = 0, False
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):
+            inside = line.startswith("ENTRY") or "arg_tuple" in line.split("->")[0]
+            continue
+        if inside and " = " in line and not any(s in line for s in _SKIPPED):
+            count += 1
+    return count
+
+
+def work(fn: Callable, *args) -> Work:
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return Work(float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                count_ops(compiled.as_text()))
+
+
+def shape_work(shape: crossover.Shape, length: int) -> dict[str, Any]:
+    """The encoder's, one AR step's and one PaDIR pass's work at batch 1, and the
+    parameters' bytes (the working set of a step or pass)."""
+    ar = ARModel(shape.config(length), shape.vocab)
+    padir = PaDIRModel(shape.config(length), shape.vocab, NUM_RESERVED)
+    ar_params = crossover._init(ar, length, 0)
+    padir_params = crossover._init(padir, length, 0)
+    source = jnp.asarray(crossover.sources(1, length, shape.vocab))
+    encoded, memory_mask = jax.jit(ar.encode)(ar_params, source)
+    cache = ar.init_cache(ar_params, encoded, memory_mask, length)
+    ids = jnp.ones((1, 1), jnp.int32)
+
+    def step(p, e, m, cache, ids):
+        return ar.make_tokens_to_logits(p, e, m)(ids, cache)
+
+    p_encoded, p_mask = jax.jit(padir.encode)(padir_params, source)
+    hypothesis = masked_hypothesis(jnp.full((1,), length, jnp.int32), length)
+
+    def one_pass(p, e, m, h):
+        memory = padir.decoder_memory(p, e, m, h != 0)
+        return padir.pass_logits(p, memory, h)
+
+    def padir_encode(p, s):
+        e, m = padir.encode(p, s)
+        return e, m, padir.length_logits(p, e)
+
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(ar_params))
+    return {"encode_ar": work(ar.encode, ar_params, source),
+            "step": work(step, ar_params, encoded, memory_mask, cache, ids),
+            "encode_padir": work(padir_encode, padir_params, source),
+            "pass": work(one_pass, padir_params, p_encoded, p_mask, hypothesis),
+            "parameter_bytes": nbytes}
+
+
+def _median_seconds(fn: Callable, *args, repeats: int = 20) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_rates(working_sets: Sequence[float]) -> Rates:
+    """This machine: a large matmul's FLOP/s, the read bandwidth of each working set (a sum
+    over that many bytes, repeated), the cost of one operation (a chain of 200 small
+    matmuls, less one of 100, per matmul)."""
+    a = jnp.ones((1024, 1024), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    flops_per_s = 2 * 1024**3 / _median_seconds(matmul, a)
+    bandwidth = {}
+    for size in sorted(set(working_sets)):
+        x = jnp.ones((max(1, int(size // 4)),), jnp.float32)
+        bandwidth[size] = x.nbytes / _median_seconds(jax.jit(jnp.sum), x)
+
+    def chain(n):
+        def run(x, w):
+            return jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), x)
+        return jax.jit(run)
+
+    x, w = jnp.ones((1, 8)), jnp.ones((8, 8)) * 0.01
+    per_op = (_median_seconds(chain(200), x, w) - _median_seconds(chain(100), x, w)) / 100
+    sizes = sorted(bandwidth)
+
+    def bytes_per_s(size: float) -> float:  # the nearest measured working set
+        return bandwidth[min(sizes, key=lambda s: abs(np.log(s / size)))]
+
+    return Rates("this CPU (measured)", flops_per_s, bytes_per_s, per_op, True)
+
+
+def predict(counts: dict[str, Any], length: int, rates: Rates, scale_bytes: float = 1.0
+            ) -> dict[str, float]:
+    """Seconds per sentence of each method (AR greedy; PaDIR-k) from the counts."""
+    working_set = counts["parameter_bytes"]
+
+    def seconds(name: str) -> float:
+        return counts[name].seconds(rates, working_set, scale_bytes)
+
+    out = {"AR greedy": seconds("encode_ar") + length * seconds("step")}
+    for k in crossover.PADIR_PASSES:
+        out[f"PaDIR-{k}"] = seconds("encode_padir") + k * seconds("pass")
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--crossover", required=True, help="benchmarks/crossover.py's --json")
+    parser.add_argument("--json", metavar="PATH")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with open(args.crossover) as f:
+        run = json.load(f)
+    measured, length = run["rows"], run["length"]
+    names = list(dict.fromkeys(r["shape"] for r in measured))
+    counts = {name: shape_work(crossover.Shape.parse(name), length) for name in names}
+    rates = measure_rates([c["parameter_bytes"] for c in counts.values()])
+    print(f"this CPU: matmul {rates.flops_per_s / 1e9:.1f} GFLOP/s; bandwidth "
+          + ", ".join(f"{c['parameter_bytes'] / 1e6:.0f} MB: "
+                      f"{rates.bytes_per_s(c['parameter_bytes']) / 1e9:.1f} GB/s"
+                      for c in counts.values())
+          + f"; {1e6 * rates.seconds_per_op:.1f} us an operation\n")
+    floors = {(r["shape"], r["method"]): r["median_ms"] for r in measured
+              if r["method"].startswith("floor")}
+    lines = ["| shape | method | MFLOP | MB | ops | calls | predicted ms | measured floor ms "
+             "| error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    projection = ["| shape | method | " + " | ".join(r.name for r in ACCELERATORS)
+                  + " | PaDIR speedup over AR greedy |", "|---|---|" + "---:|" *
+                  (len(ACCELERATORS) + 1)]
+    out = []
+    for name in names:
+        c = counts[name]
+        predicted = predict(c, length, rates)
+        projected = [predict(c, length, r, BF16_BYTES) for r in ACCELERATORS]
+        for method, seconds in predicted.items():
+            floor_name = "floor AR" if method == "AR greedy" else f"floor {method}"
+            real = floors.get((name, floor_name))
+            calls = length if method == "AR greedy" else int(method.split("-")[1])
+            unit = c["step"] if method == "AR greedy" else c["pass"]
+            error = None if real is None else 1e3 * seconds / real - 1
+            lines.append(f"| {name} | {method} | {calls * unit.flops / 1e6:.0f} | "
+                         f"{calls * unit.bytes / 1e6:.0f} | {calls * unit.ops} | {calls} | "
+                         f"{1e3 * seconds:.2f} | {'-' if real is None else f'{real:.2f}'} | "
+                         f"{'-' if error is None else f'{100 * error:+.0f}%'} |")
+            speedup = ", ".join(f"{p['AR greedy'] / p[method]:.2f}x" for p in projected) \
+                if method != "AR greedy" else "-"
+            projection.append(f"| {name} | {method} | " + " | ".join(
+                f"{1e3 * p[method]:.3f}" for p in projected) + f" | {speedup} |")
+            out.append({"shape": name, "method": method, "predicted_ms": 1e3 * seconds,
+                        "measured_floor_ms": real,
+                        "projected_ms": {r.name: 1e3 * p[method]
+                                         for r, p in zip(ACCELERATORS, projected)}})
+    print("\n".join(lines))
+    print("\nprojection (published peak figures, bf16; not a measurement), ms per sentence:\n")
+    print("\n".join(projection))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
