@@ -365,10 +365,14 @@ def plot(speedup_rows: Sequence[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, regime, title in ((axes[0], "batch1", "batch 1 (median latency)"),
                               (axes[1], "batched", "batched (throughput)")):
-        for method in dict.fromkeys(r["method"] for r in speedup_rows):
-            points = [r for r in speedup_rows if r["method"] == method]
-            ax.plot([r["parameters"] / 1e6 for r in points], [r[regime] for r in points],
-                    marker="o", label=method)
+        vocabs = list(dict.fromkeys(Shape.parse(r["shape"]).vocab for r in speedup_rows))
+        for color, method in enumerate(dict.fromkeys(r["method"] for r in speedup_rows)):
+            for style, vocab in zip(("-", "--", ":"), vocabs):
+                points = [r for r in speedup_rows if r["method"] == method
+                          and Shape.parse(r["shape"]).vocab == vocab]
+                ax.plot([r["parameters"] / 1e6 for r in points], [r[regime] for r in points],
+                        marker="o", ls=style, color=f"C{color}",
+                        label=f"{method}, V {vocab:,}")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_xlabel("parameters (millions)")

@@ -12,15 +12,16 @@ compiled program outside fusions: each is a kernel the runtime dispatches). A se
 AR greedy = encoder + L steps, PaDIR-k = encoder + k passes.
 
 The model of one call: max(FLOPs / matmul rate, bytes / bandwidth) + operations x the cost
-of one operation. Measured here: the matmul rate of a large matmul; the read bandwidth of
-a working set the size of the model's parameters (a small model stays in the caches); the
-cost of one operation, from a chain of small matmuls that cannot fuse. The prediction is
-checked against crossover's `floor AR` and `floor PaDIR-k` rows (the same work, timed).
+of one operation. Measured here, per model: the matmul rate of a chain of MLP matmuls over
+L rows and as many distinct weights as the model has bytes, and the read bandwidth of a
+working set that size (a small model stays in the caches); the cost of one operation, from
+a loop of small matmuls that cannot fuse. The prediction is checked against crossover's
+`floor AR` and `floor PaDIR-k` rows (the same work, timed).
 
-Projection rows (never a measurement): the same counts with the FLOPs at bfloat16 (bytes
-halved) on an H100 SXM (989 TFLOP/s dense bf16, 3.35 TB/s) and a TPU v3 core pair as the
-paper ran (123 TFLOP/s bf16, 900 GB/s), each with an assumed cost per operation
-(`ACCELERATORS`). `benchmarks/device_check.py` runs on a GPU what would replace them.
+Projection rows (never a measurement): the same counts, bytes halved (bfloat16), on an H100
+SXM (989 TFLOP/s dense bf16, 3.35 TB/s) and a TPU v3 core pair as the paper ran (123
+TFLOP/s bf16, 900 GB/s), with an assumed cost per operation (`ACCELERATORS`).
+`benchmarks/device_check.py --crossover` measures on a GPU what would replace them.
 """
 
 from __future__ import annotations
@@ -42,16 +43,19 @@ from benchmarks import crossover
 from components.tokenizer import NUM_RESERVED
 from model.models import ARModel, PaDIRModel, masked_hypothesis
 
-BF16_BYTES = 0.5  # bytes of a bfloat16 program relative to float32
-
+BF16_BYTES = 0.5  # bytes read by a bfloat16 program relative to float32
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What a machine does per second, and what one operation costs it."""
+    """What a machine does per second, and what one operation costs it.
+
+    `flops_per_s(d_model, working_set)`: the rate of a call's matmuls over L rows for a
+    model of that width whose parameters take `working_set` bytes; `bytes_per_s
+    (working_set)`: the rate at which it reads them (a step, one row, is bound by it)."""
 
     name: str
-    flops_per_s: float
-    bytes_per_s: Callable[[float], float]  # of a working set of that many bytes
+    flops_per_s: Callable[[int, float], float]
+    bytes_per_s: Callable[[float], float]
     seconds_per_op: float
     measured: bool  # False: a projection from published figures
 
@@ -59,8 +63,8 @@ class Rates:
 # Published peak figures; the cost per operation is an assumption (a kernel launch on a
 # GPU, a step of the TPU's program), stated here because nothing on this machine measures it.
 ACCELERATORS = (
-    Rates("H100 SXM, bf16 (projection)", 989e12, lambda _: 3.35e12, 4e-6, False),
-    Rates("TPU v3, bf16 (projection)", 123e12, lambda _: 900e9, 1e-6, False),
+    Rates("H100 SXM, bf16 (projection)", lambda *_: 989e12, lambda _: 3.35e12, 4e-6, False),
+    Rates("TPU v3, bf16 (projection)", lambda *_: 123e12, lambda _: 900e9, 1e-6, False),
 )
 
 
@@ -72,8 +76,9 @@ class Work:
     bytes: float
     ops: int
 
-    def seconds(self, rates: Rates, working_set: float, scale_bytes: float = 1.0) -> float:
-        return (max(self.flops / rates.flops_per_s,
+    def seconds(self, rates: Rates, d_model: int, working_set: float,
+                scale_bytes: float = 1.0) -> float:
+        return (max(self.flops / rates.flops_per_s(d_model, working_set),
                     scale_bytes * self.bytes / rates.bytes_per_s(working_set))
                 + self.ops * rates.seconds_per_op)
 
@@ -146,40 +151,46 @@ def _median_seconds(fn: Callable, *args, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
-def measure_rates(working_sets: Sequence[float]) -> Rates:
-    """This machine: a large matmul's FLOP/s, the read bandwidth of each working set (a sum
-    over that many bytes, repeated), the cost of one operation (a chain of 200 small
-    matmuls, less one of 100, per matmul)."""
-    a = jnp.ones((1024, 1024), jnp.float32)
-    matmul = jax.jit(lambda x: x @ x)
-    flops_per_s = 2 * 1024**3 / _median_seconds(matmul, a)
-    bandwidth = {}
-    for size in sorted(set(working_sets)):
-        x = jnp.ones((max(1, int(size // 4)),), jnp.float32)
-        bandwidth[size] = x.nbytes / _median_seconds(jax.jit(jnp.sum), x)
+def measure_rates(models: Sequence[tuple[int, float]], rows: int) -> Rates:
+    """This machine: for each (d_model, parameter bytes), the rate of a chain of MLP
+    matmuls ([rows, D] x [D, 4D] x [4D, D]) over as many distinct weights as the model has
+    bytes, and the read bandwidth of a working set of those bytes (a sum over them); the
+    cost of one operation, from a loop of 200 small matmuls that cannot fuse, less one of
+    100."""
+    flops, bandwidth = {}, {}
+    for d_model, nbytes in models:
+        layers = max(1, round(nbytes / (32 * d_model**2)))
+        up = jnp.full((layers, d_model, 4 * d_model), 0.01, jnp.float32)
+        down = jnp.full((layers, 4 * d_model, d_model), 0.01, jnp.float32)
 
-    def chain(n):
+        def chain(x, up, down):
+            return jax.lax.fori_loop(0, up.shape[0],
+                                     lambda i, x: jnp.tanh(x @ up[i]) @ down[i], x)
+
+        x = jnp.ones((rows, d_model), jnp.float32)
+        flops[d_model, nbytes] = (2 * rows * 8 * d_model**2 * layers
+                                  / _median_seconds(jax.jit(chain), x, up, down))
+        data = jnp.ones((max(1, int(nbytes // 4)),), jnp.float32)
+        bandwidth[nbytes] = data.nbytes / _median_seconds(jax.jit(jnp.sum), data)
+
+    def small(n):
         def run(x, w):
-            return jax.lax.fori_loop(0, n, lambda _, x: jnp.tanh(x @ w), x)
+            return jax.lax.fori_loop(0, n, lambda _, x: (x @ w) @ w, x)
         return jax.jit(run)
 
-    x, w = jnp.ones((1, 8)), jnp.ones((8, 8)) * 0.01
-    per_op = (_median_seconds(chain(200), x, w) - _median_seconds(chain(100), x, w)) / 100
-    sizes = sorted(bandwidth)
-
-    def bytes_per_s(size: float) -> float:  # the nearest measured working set
-        return bandwidth[min(sizes, key=lambda s: abs(np.log(s / size)))]
-
-    return Rates("this CPU (measured)", flops_per_s, bytes_per_s, per_op, True)
+    x, w = jnp.ones((1, 64)), jnp.full((64, 64), 0.01)
+    per_op = (_median_seconds(small(200), x, w) - _median_seconds(small(100), x, w)) / 200
+    return Rates("this CPU (measured)", lambda d, n: flops[d, n], lambda n: bandwidth[n],
+                 per_op, True)
 
 
-def predict(counts: dict[str, Any], length: int, rates: Rates, scale_bytes: float = 1.0
-            ) -> dict[str, float]:
+def predict(counts: dict[str, Any], length: int, d_model: int, rates: Rates,
+            scale_bytes: float = 1.0) -> dict[str, float]:
     """Seconds per sentence of each method (AR greedy; PaDIR-k) from the counts."""
     working_set = counts["parameter_bytes"]
 
     def seconds(name: str) -> float:
-        return counts[name].seconds(rates, working_set, scale_bytes)
+        return counts[name].seconds(rates, d_model, working_set, scale_bytes)
 
     out = {"AR greedy": seconds("encode_ar") + length * seconds("step")}
     for k in crossover.PADIR_PASSES:
@@ -200,13 +211,16 @@ def main(argv=None) -> int:
         run = json.load(f)
     measured, length = run["rows"], run["length"]
     names = list(dict.fromkeys(r["shape"] for r in measured))
-    counts = {name: shape_work(crossover.Shape.parse(name), length) for name in names}
-    rates = measure_rates([c["parameter_bytes"] for c in counts.values()])
-    print(f"this CPU: matmul {rates.flops_per_s / 1e9:.1f} GFLOP/s; bandwidth "
-          + ", ".join(f"{c['parameter_bytes'] / 1e6:.0f} MB: "
-                      f"{rates.bytes_per_s(c['parameter_bytes']) / 1e9:.1f} GB/s"
-                      for c in counts.values())
-          + f"; {1e6 * rates.seconds_per_op:.1f} us an operation\n")
+    shapes = {name: crossover.Shape.parse(name) for name in names}
+    counts = {name: shape_work(shapes[name], length) for name in names}
+    rates = measure_rates([(shapes[n].d_model, counts[n]["parameter_bytes"]) for n in names],
+                          length)
+    print(f"this CPU, per shape: the matmul rate over {length} rows streaming the model's "
+          "bytes, and the read bandwidth of them: " + ", ".join(
+              f"{n}: {rates.flops_per_s(shapes[n].d_model, c['parameter_bytes']) / 1e9:.0f} "
+              f"GFLOP/s, {rates.bytes_per_s(c['parameter_bytes']) / 1e9:.0f} GB/s"
+              for n, c in counts.items())
+          + f"; {1e6 * rates.seconds_per_op:.2f} us an operation\n")
     floors = {(r["shape"], r["method"]): r["median_ms"] for r in measured
               if r["method"].startswith("floor")}
     lines = ["| shape | method | MFLOP | MB | ops | calls | predicted ms | measured floor ms "
@@ -217,8 +231,9 @@ def main(argv=None) -> int:
     out = []
     for name in names:
         c = counts[name]
-        predicted = predict(c, length, rates)
-        projected = [predict(c, length, r, BF16_BYTES) for r in ACCELERATORS]
+        d_model = shapes[name].d_model
+        predicted = predict(c, length, d_model, rates)
+        projected = [predict(c, length, d_model, r, BF16_BYTES) for r in ACCELERATORS]
         for method, seconds in predicted.items():
             floor_name = "floor AR" if method == "AR greedy" else f"floor {method}"
             real = floors.get((name, floor_name))

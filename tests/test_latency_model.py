@@ -22,16 +22,17 @@ def test_work_counts_a_matmuls_flops_and_the_ops_outside_fusions():
 
 
 def test_a_call_is_the_larger_of_compute_and_memory_plus_its_operations():
-    rates = latency_model.Rates("test", flops_per_s=1e9, bytes_per_s=lambda _: 1e9,
-                                seconds_per_op=1e-6, measured=False)
+    rates = latency_model.Rates("test", flops_per_s=lambda d_model, working_set: 1e9,
+                                bytes_per_s=lambda working_set: 1e9, seconds_per_op=1e-6,
+                                measured=False)
     compute_bound = latency_model.Work(flops=2e6, bytes=1e6, ops=10)
     memory_bound = latency_model.Work(flops=1e6, bytes=3e6, ops=0)
-    assert compute_bound.seconds(rates, 0) == pytest.approx(2e-3 + 1e-5)
-    assert memory_bound.seconds(rates, 0) == pytest.approx(3e-3)
-    assert memory_bound.seconds(rates, 0, scale_bytes=0.5) == pytest.approx(1.5e-3)
+    assert compute_bound.seconds(rates, 64, 0) == pytest.approx(2e-3 + 1e-5)
+    assert memory_bound.seconds(rates, 64, 0) == pytest.approx(3e-3)
+    assert memory_bound.seconds(rates, 64, 0, scale_bytes=0.5) == pytest.approx(1.5e-3)
     counts = {"encode_ar": compute_bound, "step": memory_bound, "encode_padir": compute_bound,
               "pass": compute_bound, "parameter_bytes": 1e6}
-    predicted = latency_model.predict(counts, 20, rates)
+    predicted = latency_model.predict(counts, 20, 64, rates)
     assert predicted["AR greedy"] == pytest.approx(2.01e-3 + 20 * 3e-3)
     assert predicted["PaDIR-4"] == pytest.approx(5 * 2.01e-3)
 
