@@ -222,21 +222,6 @@ def test_main_reports_bad_input_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"prepare: error: {config_path}:2:1: invalid YAML")
 
 
-def test_main_reports_a_lost_lease_in_one_line_with_exit_status_3(tmp_path, monkeypatch,
-                                                                 capsys):
-    def lose_the_lease(config, pipeline_args=()):
-        raise artifacts.LeaseLost("prepare/k1: its lease was taken over; published nothing")
-
-    lose_the_lease.__module__ = prepare.__name__
-    monkeypatch.setattr(prepare, "run", lose_the_lease)
-    config_path = tmp_path / "c.yaml"
-    config_path.write_text(f"workdir: {tmp_path / 'work'}\n"
-                           "data: {source_lang: en, target_lang: de, train: {tsv: a.tsv}}\n")
-    assert prepare.main(["--config", str(config_path)]) == 3
-    assert capsys.readouterr().err == \
-        "prepare: prepare/k1: its lease was taken over; published nothing\n"
-
-
 def test_interrupted_run_publishes_nothing(crafted, monkeypatch):
     clean_pair = corpus.clean_pair
 
