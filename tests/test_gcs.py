@@ -331,6 +331,22 @@ def _cli(env, *args, **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, **kwargs)
 
 
+HELD_PREPARE = """
+import pathlib, sys, time
+from components import corpus
+from flows import cli
+clean_pair, seen = corpus.clean_pair, []
+def held(raw, config):
+    seen.append(raw.id)
+    if len(seen) == 50:  # inside the Beam job, its lease held: say so, and wait to be killed
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(600)
+    return clean_pair(raw, config)
+corpus.clean_pair = held
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow  # the stage, its rerun, `padir status` and `padir gc` in child interpreters
 def test_a_pipeline_job_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_it(gcs_faults,
                                                                                   tmp_path):
@@ -342,24 +358,22 @@ def test_a_pipeline_job_killed_on_gs_is_rerun_to_the_same_output_and_gc_clears_i
     assert _cli(env, "stage", "prepare", str(path)).returncode == 0
     final = dag.output_uri(config, "prepare")
     reference = _download(final, str(tmp_path / "reference"))
-    fs, stage_path = artifacts.filesystem(artifacts.join(config.workdir, "prepare"))
+    fs, _ = artifacts.filesystem(final)
     fs.rm(artifacts.filesystem(final)[1], recursive=True)
     fs.invalidate_cache()
     assert not fs.exists(artifacts.filesystem(final)[1])
 
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "prepare",
-                                str(path)], cwd=REPO, env=env, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    inside = tmp_path / "inside-the-job"  # the held job writes it at its 50th pair
+    process = subprocess.Popen([sys.executable, "-c", HELD_PREPARE, str(inside), "stage",
+                                "prepare", str(path)], cwd=REPO, env=env,
+                               start_new_session=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     key = dag.stage_key(config, "prepare")
-    deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        fs.invalidate_cache()
-        names = fs.ls(stage_path, detail=False) if fs.exists(stage_path) else []
-        if any(name.endswith(f"/.lease-{key}") for name in names):  # under way: kill it
-            time.sleep(0.3)  # inside the Beam job (it runs for seconds after the lease)
-            os.killpg(process.pid, signal.SIGKILL)
-            break
+    deadline = time.monotonic() + 120  # a hang guard, not a race: the job waits to be killed
+    while process.poll() is None and time.monotonic() < deadline and not inside.exists():
         time.sleep(0.05)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert process.returncode == -signal.SIGKILL, "the stage ended before it was killed"
     with pytest.raises(artifacts.IncompleteArtifactError):  # no reader sees a partial output
