@@ -47,7 +47,6 @@ from benchmarks import floors as floors_lib
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, NUM_RESERVED, RESERVED_PIECES
 from model import ctranslate2_export, ctranslate2_search, ctranslate2_sweep, refinement
-from model.ctranslate2_search import Threads
 from model.models import ARModel, PaDIRModel
 from model.transformer import NON_TARGET_IDS
 
@@ -139,7 +138,7 @@ def sources(count: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
     return ids
 
 
-def _init(model: Any, length: int, seed: int) -> Any:
+def random_params(model: Any, length: int, seed: int) -> Any:
     """Random parameters, stored in the model's compute type (a bfloat16 model reads half
     the bytes), EOS's embedding row zero."""
     batch = {"source": jnp.ones((1, length), jnp.int32),
@@ -154,12 +153,6 @@ def _count(params: Any) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
 
 
-def _timed(fn: Callable, *args) -> float:
-    started = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - started
-
-
 class JaxMethods:
     """Our AR greedy and PaDIR-k on one shape, each as the Translator runs it: the encoder
     call, then the search call (compiled before they are timed)."""
@@ -168,8 +161,8 @@ class JaxMethods:
         self.length = length
         self.ar = ARModel(shape.config(length, dtype=dtype), shape.vocab)
         self.padir = PaDIRModel(shape.config(length, dtype=dtype), shape.vocab, NUM_RESERVED)
-        self.ar_params = _init(self.ar, length, seed)
-        self.padir_params = _init(self.padir, length, seed)
+        self.ar_params = random_params(self.ar, length, seed)
+        self.padir_params = random_params(self.padir, length, seed)
         self.ar_floors = floors_lib.Floors(self.ar, self.ar_params)
         self.padir_floors = floors_lib.Floors(self.padir, self.padir_params)
         self._ar_encode = jax.jit(self.ar.encode)
@@ -203,10 +196,15 @@ def _refiner(model: PaDIRModel, width: int, passes: int) -> Callable:
     return run
 
 
+def pieces(vocab: int) -> list[str]:
+    """A vocabulary of `vocab` pieces for a random model: the reserved ones, then w6, w7, ..."""
+    return list(RESERVED_PIECES) + [f"w{i}" for i in range(NUM_RESERVED, vocab)]
+
+
 def _ct2_dirs(shape: Shape, length: int, params: dict[str, Any], root: str) -> dict[str, str]:
     """The teacher's and the AR student's random models as CTranslate2 directories."""
-    pieces = list(RESERVED_PIECES) + [f"w{i}" for i in range(NUM_RESERVED, shape.vocab)]
-    return {name: ctranslate2_export.export(config, params[name], pieces, f"{root}/{name}")
+    return {name: ctranslate2_export.export(config, params[name], pieces(shape.vocab),
+                                            f"{root}/{name}")
             for name, config in (("teacher", shape.config(length)),
                                  ("AR student", shape.config(length, decoder_layers=1)))}
 
@@ -220,10 +218,10 @@ def ct2_rows(shape: Shape, length: int, source: np.ndarray, batch: np.ndarray,
              parameters: dict[str, int], params: dict[str, Any]) -> list[Row]:
     """CTranslate2 greedy of both AR shapes in both compute types, each in its own worker
     at the fastest setting of the sweep's grid for the regime (timed on 5 sentences)."""
-    pieces = list(RESERVED_PIECES) + [f"w{i}" for i in range(NUM_RESERVED, shape.vocab)]
-    options = _ct2_options(length, pieces)
-    as_rows = [[pieces[i] for i in row] for row in source]
-    batch_rows = [[pieces[i] for i in row] for row in batch]
+    vocabulary = pieces(shape.vocab)
+    options = _ct2_options(length, vocabulary)
+    as_rows = [[vocabulary[i] for i in row] for row in source]
+    batch_rows = [[vocabulary[i] for i in row] for row in batch]
     out = []
     cpus = ctranslate2_search.cpus()
     with tempfile.TemporaryDirectory(prefix="padir-crossover-") as root:
@@ -306,7 +304,7 @@ def measure(shape: Shape, *, length: int, sentences: int, batch_size: int, dtype
                         passes=float(np.mean(passes[name]))))
     if ctranslate2 and dtype == "float32":
         student = ARModel(shape.config(length, decoder_layers=1), shape.vocab)
-        student_params = _init(student, length, seed=1)
+        student_params = random_params(student, length, seed=1)
         rows += ct2_rows(shape, length, source, batch,
                          {"teacher": ar_count, "AR student": _count(student_params)},
                          {"teacher": jax_methods.ar_params, "AR student": student_params})

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import time
@@ -37,7 +36,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import crossover
 from components.tokenizer import NUM_RESERVED
@@ -112,8 +110,8 @@ def shape_work(shape: crossover.Shape, length: int) -> dict[str, Any]:
     parameters' bytes (the working set of a step or pass)."""
     ar = ARModel(shape.config(length), shape.vocab)
     padir = PaDIRModel(shape.config(length), shape.vocab, NUM_RESERVED)
-    ar_params = crossover._init(ar, length, 0)
-    padir_params = crossover._init(padir, length, 0)
+    ar_params = crossover.random_params(ar, length, 0)
+    padir_params = crossover.random_params(padir, length, 0)
     source = jnp.asarray(crossover.sources(1, length, shape.vocab))
     encoded, memory_mask = jax.jit(ar.encode)(ar_params, source)
     cache = ar.init_cache(ar_params, encoded, memory_mask, length)

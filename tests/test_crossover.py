@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from benchmarks import crossover
-from components.tokenizer import EOS_ID, RESERVED_PIECES
+from components.tokenizer import EOS_ID
 from model import ctranslate2_search
 
 TINY = crossover.Shape(d_model=32, layers=1, vocab=300)
@@ -35,7 +35,7 @@ def test_ctranslate2_decodes_exactly_the_fixed_length(methods, tmp_path):
     dirs = crossover._ct2_dirs(TINY, LENGTH, {"teacher": methods.ar_params,
                                               "AR student": methods.ar_params},
                                str(tmp_path))
-    pieces = list(RESERVED_PIECES) + [f"w{i}" for i in range(len(RESERVED_PIECES), TINY.vocab)]
+    pieces = crossover.pieces(TINY.vocab)
     worker = ctranslate2_search.Worker(dirs["AR student"], device="cpu",
                                        compute_type="float32",
                                        threads=ctranslate2_search.Threads(1))
