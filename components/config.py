@@ -339,6 +339,28 @@ class ARStudentConfig(TeacherConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class DrafterConfig(TeacherConfig):
+    """The block drafter of `draft_verify`: given the source and the accepted prefix, it
+    predicts the next `block` tokens in one pass (a deep encoder, a shallow decoder, no
+    length head), trained as the teacher is on the PaDIR student's data (the distilled
+    pairs when `distill.enabled`). `init_from_teacher` starts it from the teacher where
+    paths and shapes match (model/warm_start.py).
+    """
+
+    SECTION: ClassVar[str] = "drafter"
+
+    model: ModelConfig = ModelConfig(num_decoder_layers=1)
+    block: int = 8  # tokens drafted per pass: the pattern it trains on and decodes with
+    init_from_teacher: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.block < self.model.max_target_len:
+            raise ConfigError(f"drafter.block: expected 1 <= block < model.max_target_len "
+                              f"({self.model.max_target_len}), got {self.block}")
+
+
+@dataclasses.dataclass(frozen=True)
 class StudentConfig:
     """The PaDIR student: phase 1 single-stage loss, then phase 2 the unrolled loss.
 
@@ -468,9 +490,9 @@ class DistillConfig:
 # --- decoding and its measurement -------------------------------------------------------
 
 # The training stages whose artifacts decode: the AR models (the teacher, and the AR
-# student, the fair AR baseline) and the PaDIR student.
+# student, the fair AR baseline), the PaDIR student and the block drafter of draft_verify.
 AR_STAGES = ("teacher", "ar_student")
-TRAINING_STAGES = (*AR_STAGES, "student")
+TRAINING_STAGES = (*AR_STAGES, "student", "drafter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,8 +500,9 @@ class DecodingKind:
     """What the pipeline needs to know of a decoding kind without running it (its search
     is `model/translator.py: SEARCHES[kind]`)."""
 
-    # The training stage whose checkpoint it decodes with: "teacher" or "student"; a kind
-    # that reads `model` decodes with the AR model that names (this is its default).
+    # The training stage whose checkpoint it decodes with: "teacher", "student" or
+    # "drafter"; a kind that reads `model` decodes with the AR model that names (this is
+    # its default).
     stage: str
     options: tuple[str, ...]  # the DecodeMethod fields it reads; setting another is an error
     rescorer: Optional[str] = None  # the training stage whose model picks among its candidates
@@ -502,7 +525,7 @@ DECODING_KINDS: dict[str, DecodingKind] = {
                                              "length_offsets", "shortlist")),
     "adaptive": DecodingKind("student", ("tokens_per_step", "num_length_candidates",
                                          "length_offsets", "shortlist")),
-    "draft_verify": DecodingKind("student", ("iterations", "tolerance_top_k",
+    "draft_verify": DecodingKind("drafter", ("iterations", "tolerance_top_k",
                                              "tolerance_margin", "shortlist"),
                                  rescorer="teacher", to_the_cap=True),
     "ct2_greedy": DecodingKind("teacher", ("compute_type", "shortlist", "model"),
@@ -517,7 +540,8 @@ class DecodeMethod:
     """One decoding method to measure (model/refinement.py, model/beam_search.py).
 
     The AR kinds (ar_*, ct2_*) decode with the AR model `model` names: the `teacher`
-    (default) or the `ar_student`; the others with the PaDIR student (`student`). Each kind
+    (default) or the `ar_student`; draft_verify with the block drafter (`drafter`); the
+    others with the PaDIR student (`student`). Each kind
     reads only its options (`DECODING_KINDS`); giving another one a value other than its default
     is an error, so a config never carries a knob that does nothing.
 
@@ -532,9 +556,10 @@ class DecodeMethod:
       mask_predict  exactly `iterations` passes; num_length_candidates x length_offsets
       adaptive      unmask the tokens_per_step positions per pass most certain by margin;
                     num_length_candidates x length_offsets
-      draft_verify  the student drafts after the accepted prefix (iterations: its passes
-                    per draft), the teacher verifies in one teacher-forced pass and keeps
-                    the drafted tokens it agrees with, then its own next token
+      draft_verify  the drafter drafts a block of its `block` tokens after the accepted
+                    prefix (iterations: drafter passes per draft), the teacher verifies in
+                    one teacher-forced pass and keeps the drafted tokens it agrees with,
+                    then its own next token
                     (model/draft_verify.py): the teacher's greedy output exactly, in fewer
                     sequential calls when the drafts are good; tolerance_top_k > 1 also
                     accepts a drafted token in the teacher's top k within tolerance_margin
@@ -688,6 +713,7 @@ class Config:
     distill: DistillConfig = DistillConfig()
     student: StudentConfig = StudentConfig()
     ar_student: ARStudentConfig = ARStudentConfig()
+    drafter: DrafterConfig = DrafterConfig()
     decode: DecodeConfig = DecodeConfig()
     mesh: MeshConfig = MeshConfig()
 

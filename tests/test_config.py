@@ -321,6 +321,28 @@ def test_the_ar_student_section_is_the_teachers_with_one_decoder_layer(tmp_path)
             _load(tmp_path, overrides=[override])
 
 
+def test_the_drafter_section_is_a_teachers_with_one_decoder_layer_and_a_block(tmp_path):
+    config = _load(tmp_path, overrides=["drafter.block=4", "drafter.model.num_encoder_layers=6"])
+    assert (config.drafter.block, config.drafter.init_from_teacher) == (4, True)
+    assert (config.drafter.model.num_encoder_layers, config.drafter.model.num_decoder_layers) \
+        == (6, 1)
+    assert config_lib.DrafterConfig().block == 8
+    for override, message in (
+            ("drafter.block=0", r"drafter.block: expected 1 <= block < model.max_target_len "
+                                r"\(64\), got 0"),
+            ("drafter.block=64", r"drafter.block: .* got 64"),
+            ("drafter.steps=0", "drafter: steps must be >= 1"),
+            ("drafter.phase1_steps=5", "unknown config key 'drafter.phase1_steps'"),
+            ("drafter.model.max_target_len=32", "drafter.model.max_source_len and "
+                                                "max_target_len must be >= the widest")):
+        with pytest.raises(ConfigError, match=message):
+            _load(tmp_path, overrides=[override])
+    # draft_verify drafts with it and verifies with the teacher.
+    method = config_lib.DecodeMethod("dv", "draft_verify", iterations=1)
+    assert (method.stage, method.rescorer) == ("drafter", "teacher")
+    assert config_lib.DecodeConfig(methods=(method,)).models == ("drafter", "teacher")
+
+
 def test_the_ar_kinds_decode_the_ar_model_they_name():
     for kind in ("ar_greedy", "ar_beam", "ct2_greedy", "ct2_beam"):
         assert config_lib.DecodeMethod("m", kind).stage == "teacher"

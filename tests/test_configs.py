@@ -53,7 +53,7 @@ def test_the_wmt14_overlay_is_the_tpu_model_on_dataflow_with_gcs_inputs(monkeypa
     assert wmt14.vocab.size == 32000 and wmt14.encode.bucket_boundaries[-1] == 128
     # The TPU overlay's model and mesh, widened to the longest bucket.
     assert wmt14.mesh == tpu.mesh
-    for name in ("teacher", "student", "ar_student"):
+    for name in ("teacher", "student", "ar_student", "drafter"):
         model = wmt14.section(name).model
         assert dataclasses.replace(model, max_source_len=64, max_target_len=64) == \
             tpu.section(name).model
