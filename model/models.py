@@ -37,6 +37,7 @@ from model import beam_search as search
 from model import losses, noising
 from model.transformer import (
     ARTransformer,
+    DrafterTransformer,
     PaDIRTransformer,
     argmax_ids,
     mask_non_target_ids,
@@ -200,6 +201,42 @@ class ARModel(_BaseModel):
 
         shapes = jax.eval_shape(create, params, encoded, memory_mask)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def init_block_cache(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, length: int
+    ) -> Any:
+        """An empty cache of `length` positions for `block_logits` (no compute); `length`
+        must cover the last block's end (draft and verify: the output cap plus a block)."""
+
+        def create(params, encoded, memory_mask):
+            rows = encoded.shape[0]
+            _, variables = self.module.apply(
+                {"params": params}, encoded, memory_mask, jnp.zeros((rows, length), jnp.int32),
+                start=jnp.zeros((rows,), jnp.int32), method=ARTransformer.decode,
+                mutable=["cache"],
+            )
+            return variables["cache"]
+
+        shapes = jax.eval_shape(create, params, encoded, memory_mask)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def block_logits(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, inputs: jax.Array,
+        start: jax.Array, cache: Any,
+    ) -> tuple[jax.Array, Any]:
+        """The logits of a block of positions per row over the cache of the positions
+        before it (draft and verify's verifier): row b's inputs int32[B, W] are the decoder
+        inputs of its positions start[b] .. start[b] + W - 1 (the token before each: BOS
+        at position 0), so that position start[b] + i scores the token after them. The
+        cache must hold every position before start[b] from earlier calls.
+
+        Returns (logits float32[B, W, V], not masked: `argmax_ids` reads target ids only;
+        the cache with the block's keys and values written)."""
+        logits, variables = self.module.apply(
+            {"params": params, "cache": cache}, encoded, memory_mask, inputs, start=start,
+            method=ARTransformer.decode, mutable=["cache"],
+        )
+        return logits, variables["cache"]
 
     def make_tokens_to_logits(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array,
@@ -413,3 +450,125 @@ class PaDIRModel(_BaseModel):
         ids = argmax_ids(self.decode_logits(params, encoded, memory_mask, hypothesis))
         ids = jnp.where(hypothesis == MASK_ID, ids, hypothesis)  # keep EOS and pads
         return truncate_after_eos(ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterModel(_BaseModel):
+    """Draft and verify's block drafter: the next `block` tokens after a prefix, one pass.
+
+    Trained on draft and verify's pattern (`noising.draft_block`): every prefix length of
+    a target, the `block` tokens after it masked, nothing after the block; the loss is the
+    block's tokens' (EOS included; positions past EOS carry none).
+
+    Attributes:
+      config: the model config (a deep encoder and a shallow decoder: the drafter runs
+        once a round, so its decoder is what a round pays for).
+      vocab_size: V, read from the vocab artifact.
+      block: the tokens it drafts a pass.
+      label_smoothing: of the token cross-entropy.
+    """
+
+    config: ModelConfig
+    vocab_size: int
+    block: int
+    label_smoothing: float = 0.1
+
+    @property
+    def module(self) -> DrafterTransformer:
+        return DrafterTransformer(self.config, self.vocab_size)
+
+    def loss_fn(
+        self,
+        params: Params,
+        batch: Batch,
+        rng: jax.Array,
+        *,
+        deterministic: bool = False,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The block's token cross-entropy, one random prefix per example. `rng` drives
+        the prefix and dropout."""
+        noise_rng, dropout_rng = jax.random.split(rng)
+        target = batch["target"]
+        hypothesis, start = noising.draft_block(noise_rng, target, self.block)
+        outputs = block_positions(start, self.block, target.shape[1])  # [B, K]
+        logits = self.module.apply(
+            {"params": params}, batch["source"], hypothesis, deterministic,
+            method=_drafter_loss_logits, outputs=outputs, rngs={"dropout": dropout_rng},
+        )  # [B, K, V]
+        in_width = start[:, None] + jnp.arange(self.block) < target.shape[1]  # [B, K]
+        targets = jnp.where(in_width, jnp.take_along_axis(target, outputs, axis=1), PAD_ID)
+        return losses.ar_loss(logits, targets, label_smoothing=self.label_smoothing)
+
+    def encode(self, params: Params, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """source int32[B, S] -> (encoded [B, S, D], memory_mask bool[B, S])."""
+        return self.module.apply({"params": params}, source, method=DrafterTransformer.encode)
+
+    def draft(
+        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, tokens: jax.Array,
+        length: jax.Array, passes: int = 1, vocab_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """The `block` tokens after each row's prefix tokens[:, :length] (positions past
+        the width T are not drafted: their tokens are PAD).
+
+        Args:
+          encoded, memory_mask: `encode`'s output.
+          tokens: int32[B, T], the accepted output (what follows each prefix is ignored).
+          length: int32[B], the prefix's length.
+          passes: >= 1; each pass after the first reads the block the one before drafted
+            (the drafter refining its own block).
+          vocab_ids: a shortlist to draft over (model/shortlist.py), reserved ids first.
+
+        Returns:
+          int32[B, block].
+        """
+        width = tokens.shape[1]
+        positions = jnp.arange(width)[None, :]  # [1, T]
+        prefix = positions < length[:, None]  # [B, T]
+        in_block = ~prefix & (positions < (length + self.block)[:, None])  # [B, T]
+        outputs = block_positions(length, self.block, width)  # [B, K]
+        in_width = length[:, None] + jnp.arange(self.block) < width  # [B, K]
+        hypothesis = jnp.where(prefix, tokens, jnp.where(in_block, MASK_ID, PAD_ID))
+        valid = prefix | in_block
+        for _ in range(passes):
+            logits = self.module.apply(
+                {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
+                outputs, method=DrafterTransformer.decode)  # [B, K, V or K']
+            ids = argmax_ids(logits)
+            if vocab_ids is not None:
+                ids = jnp.take(vocab_ids, ids)
+            drafted = jnp.where(in_width, ids, PAD_ID).astype(jnp.int32)  # [B, K]
+            placed = jnp.take_along_axis(drafted, jnp.clip(positions - length[:, None], 0,
+                                                            self.block - 1), axis=1)  # [B, T]
+            hypothesis = jnp.where(in_block, placed, hypothesis)
+        return drafted
+
+    def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
+        """The drafter's own translation, a block a pass with nothing verified: what dev
+        BLEU reads while it trains. Returns int32[B, T] (T = target width, else
+        max_target_len): ids up to and including EOS, then 0."""
+        width = _output_length(self.config, batch)
+        encoded, memory_mask = self.encode(params, batch["source"])
+        rows = encoded.shape[0]
+
+        def step(i, tokens):
+            length = jnp.full((rows,), i * self.block, jnp.int32)
+            drafted = self.draft(params, encoded, memory_mask, tokens, length)  # [B, K]
+            at = jnp.arange(width)[None, :] - length[:, None]  # [B, T]
+            placed = jnp.take_along_axis(drafted, jnp.clip(at, 0, self.block - 1), axis=1)
+            return jnp.where((at >= 0) & (at < self.block), placed, tokens)
+
+        tokens = jax.lax.fori_loop(0, -(-width // self.block), step,
+                                   jnp.zeros((rows, width), jnp.int32))
+        return truncate_after_eos(tokens)
+
+
+def block_positions(start: jax.Array, block: int, width: int) -> jax.Array:
+    """The positions of each row's block, past the width clipped to its last:
+    start int32[B] -> int32[B, block]."""
+    return jnp.minimum(start[:, None] + jnp.arange(block), width - 1).astype(jnp.int32)
+
+
+def _drafter_loss_logits(module: DrafterTransformer, source, hypothesis, deterministic,
+                         outputs):
+    encoded, memory_mask = module.encode(source, deterministic)
+    return module.decode(encoded, memory_mask, hypothesis, deterministic, outputs=outputs)

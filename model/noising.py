@@ -76,3 +76,18 @@ def noise_targets(
         replacement = jnp.where(drafted, jnp.asarray(MASK_ID, targets.dtype), replacement)
     noised_ids = jnp.where(noised_mask, replacement, targets)
     return noised_ids, noised_mask
+
+
+def draft_block(rng: jax.Array, targets: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Draft and verify's drafting pattern (model/models.py `DrafterModel`): a gold prefix
+    of p ~ U{0, ..., n - 1} of a target's n tokens (EOS counted), then `block` [MASK]s
+    (cut at the width), PAD after.
+
+    targets int32[B, T] -> (hypothesis int32[B, T], p int32[B])."""
+    batch, width = targets.shape
+    tokens = jnp.sum(targets != PAD_ID, axis=1)  # [B]
+    start = jnp.floor(jax.random.uniform(rng, (batch,)) * tokens).astype(jnp.int32)  # [B]
+    positions = jnp.arange(width)[None, :]  # [1, T]
+    hypothesis = jnp.where(positions < start[:, None], targets, jnp.where(
+        positions < (start + block)[:, None], MASK_ID, PAD_ID))
+    return hypothesis.astype(targets.dtype), start

@@ -12,7 +12,11 @@ biases in attention or MLP (T5 style).
   layer also has positional attention: queries and keys are the (RMS-normalised) learned
   position vectors, values the token stream, so position survives an all-[MASK] input.
 * `ARTransformer` (the teacher): causal decoder over the target shifted right behind BOS;
-  `decode=True` processes one token per call with a KV cache in the `cache` collection.
+  `decode=True` processes one token per call with a KV cache in the `cache` collection,
+  and block mode (`start`) a block of tokens per row with its own cache
+  (`CachedBlockAttention`: draft and verify's verifier).
+* `DrafterTransformer` (draft and verify's drafter): the teacher's encoder and a NAR
+  decoder that fills a block of [MASK]s after a given prefix; no length head.
 
 Shapes: B batch, S source length, T target length, D d_model, V vocab_size.
 
@@ -29,6 +33,7 @@ Activations are not annotated.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -275,6 +280,50 @@ class Encoder(nn.Module):
         return _rms_norm(cfg, "final_norm")(x)
 
 
+class CachedBlockAttention(nn.Module):
+    """Causal self-attention of a block of W new positions per row over a KV cache: row b's
+    block holds positions start[b] .. start[b] + W - 1; its keys and values are written
+    into the cache there, and each query reads the cache up to its own position.
+
+    What draft and verify's verifier runs (model/draft_verify.py): the teacher over a
+    drafted block and one more position, its prefix's keys and values kept from earlier
+    rounds. A row whose block was partly rejected simply starts its next block earlier;
+    what was written past it is overwritten or never read. Flax's cached attention takes
+    one position per call and one index for all rows, hence this module. Its parameters
+    are `nn.MultiHeadDotProductAttention`'s (same names, shapes and math), so it reads the
+    teacher's self-attention as trained.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, start: jax.Array) -> jax.Array:
+        """x: [B, W, D]; start: int32[B]. The cache holds L >= max(start) + W positions
+        (its first call, which creates it, sees x of L positions). Returns [B, W, D]."""
+        cfg = self.config
+        width = x.shape[1]
+        dense = functools.partial(
+            nn.DenseGeneral, features=(cfg.num_heads, cfg.d_model // cfg.num_heads),
+            use_bias=False, dtype=cfg.dtype,
+            kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")))
+        query, key, value = (dense(name=name)(x) for name in ("query", "key", "value"))
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape,
+                                     value.dtype)
+        write = jax.vmap(lambda cache, new, at: jax.lax.dynamic_update_slice_in_dim(
+            cache, new, at, axis=0))
+        keys = write(cached_key.value, key, start)  # [B, L, H, Dh]
+        values = write(cached_value.value, value, start)
+        cached_key.value, cached_value.value = keys, values
+        own = start[:, None] + jnp.arange(width)  # [B, W]: each query's position
+        mask = jnp.arange(keys.shape[1])[None, None, :] <= own[:, :, None]  # [B, W, L]
+        h = nn.dot_product_attention(query, keys, values, mask=mask[:, None], dtype=cfg.dtype)
+        return nn.DenseGeneral(
+            features=cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+            kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out",
+        )(h)  # [B, W, D]
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm self-attention, [positional attention], cross-attention, MLP.
 
@@ -282,11 +331,14 @@ class DecoderLayer(nn.Module):
       config: the model config.
       positional_attention: add the positional-attention sublayer (PaDIR only).
       decode: cache keys/values of self-attention and take one token per call (AR only).
+      block: cache keys/values of self-attention and take a block of tokens per row at
+        its own position (`CachedBlockAttention`; AR only).
     """
 
     config: ModelConfig
     positional_attention: bool = False
     decode: bool = False
+    block: bool = False
 
     @nn.compact
     def __call__(
@@ -297,14 +349,19 @@ class DecoderLayer(nn.Module):
         cross_mask: jax.Array,
         positions: jax.Array | None,
         deterministic: bool,
+        start: jax.Array | None = None,
     ) -> jax.Array:
         """x: [B, T, D]; encoded: [B, S, D]; self_mask: bool[B, 1, T, T] or None (cached
         decoding masks itself); cross_mask: bool[B, 1, T, S]; positions: [B, T, D] (used
-        only with positional attention). Returns [B, T, D]."""
+        only with positional attention); start: int32[B], the block's first position
+        (block mode only). Returns [B, T, D]."""
         cfg = self.config
         dropout = Dropout(cfg.dropout_rate)
         h = _rms_norm(cfg, "pre_self_attention_norm")(x)
-        h = _attention(cfg, "self_attention", decode=self.decode)(h, h, mask=self_mask)
+        if self.block:
+            h = CachedBlockAttention(cfg, name="self_attention")(h, start)
+        else:
+            h = _attention(cfg, "self_attention", decode=self.decode)(h, h, mask=self_mask)
         x = x + dropout(h, deterministic=deterministic)
         if self.positional_attention:
             # Where to read from is decided by position alone; what is read is the tokens.
@@ -374,15 +431,19 @@ class NARDecoder(nn.Module):
         deterministic: bool,
         valid: jax.Array | None = None,
         vocab_ids: jax.Array | None = None,
+        outputs: jax.Array | None = None,
     ) -> jax.Array:
         """encoded: [B, S, D]; memory_mask: bool[B, S]; hypothesis: int32[B, T] (0 = pad);
         valid: bool[B, T], the non-pad positions (default: computed from `hypothesis`);
-        vocab_ids: int32[K], score only these ids (a shortlist; default: all V).
+        vocab_ids: int32[K], score only these ids (a shortlist; default: all V);
+        outputs: int32[B, O], the positions to score (default: all T; the drafter scores
+        its block alone, which spares the output projection the prefix's rows).
         Decoding passes `valid` from outside its loop: then the masks, the positional
         attention weights and the cross-attention keys/values depend on loop constants
         only, and XLA computes them once, before the first pass.
 
-        Returns logits float32[B, T, V] (or [B, T, K]) for the target at every position.
+        Returns logits float32[B, T, V] (or [B, T, K]; [B, O, ...] with `outputs`) for the
+        target at every position.
         """
         cfg = self.config
         batch, length = hypothesis.shape
@@ -400,6 +461,8 @@ class NARDecoder(nn.Module):
             x = DecoderLayer(
                 cfg, positional_attention=cfg.positional_attention, name=f"layer_{i}"
             )(x, encoded, self_mask, cross_mask, positions, deterministic)
+        if outputs is not None:
+            x = jnp.take_along_axis(x, outputs[..., None], axis=1)  # [B, O, D]
         y = _rms_norm(cfg, "final_norm")(x)
         return _output_logits(cfg, self.shared_embedding, y, vocab_ids)  # [B, T, V or K]
 
@@ -420,18 +483,33 @@ class ARDecoder(nn.Module):
         deterministic: bool,
         decode: bool,
         vocab_ids: jax.Array | None = None,
+        start: jax.Array | None = None,
     ) -> jax.Array:
         """encoded: [B, S, D]; memory_mask: bool[B, S]; inputs: int32[B, T] right-shifted
         targets (T = 1 per call when decoding with a filled cache); target_mask: bool[B, T]
-        (None = all valid; ignored when decoding); vocab_ids: as `NARDecoder`.
+        (None = all valid; ignored when decoding); vocab_ids: as `NARDecoder`; start:
+        int32[B], block mode (`CachedBlockAttention`): row b's inputs are its positions
+        start[b] .. start[b] + T - 1, over the cache of earlier blocks (positions past
+        max_target_len read its last position-table row: a caller's cap keeps them out of
+        the output).
 
         Returns logits float32[B, T, V] (or [B, T, K]).
         """
         cfg = self.config
         batch, length = inputs.shape
+        table = _position_table(self, cfg.max_target_len, cfg.d_model)
+        if start is not None:
+            at = start[:, None] + jnp.arange(length)  # [B, T]
+            x = self.shared_embedding(inputs) + jnp.take(table, at, axis=0, mode="clip").astype(
+                cfg.dtype)  # [B, T, D]
+            cross_mask = nn.make_attention_mask(jnp.ones((batch, length), bool), memory_mask)
+            for i in range(cfg.num_decoder_layers):
+                x = DecoderLayer(cfg, block=True, name=f"layer_{i}")(
+                    x, encoded, None, cross_mask, None, True, start)
+            y = _rms_norm(cfg, "final_norm")(x)
+            return _output_logits(cfg, self.shared_embedding, y, vocab_ids)
         if length > cfg.max_target_len:
             raise ValueError(f"target length {length} > max_target_len {cfg.max_target_len}")
-        table = _position_table(self, cfg.max_target_len, cfg.d_model)
         if decode:
             # The first call (cache creation) sees the full length; later calls one token.
             filled = self.has_variable("cache", "position")
@@ -532,6 +610,50 @@ class PaDIRTransformer(nn.Module):
         return logits, self.length_logits(encoded)
 
 
+class DrafterTransformer(nn.Module):
+    """The block drafter of draft and verify: given the source and an accepted prefix, the
+    next `block` tokens in one pass (SpecDec's drafter, Xia et al. 2023).
+
+    The teacher's encoder (no [LENGTH] token: its position table fits the teacher's, so all
+    of it can start from the teacher) and a NAR decoder over the prefix, a block of [MASK]s
+    after it and nothing after the block; no length head: the teacher decides where the
+    sentence ends.
+    """
+
+    config: ModelConfig
+    vocab_size: int
+
+    def setup(self):
+        cfg = self.config
+        self.token_embedding = _shared_embedding(cfg, self.vocab_size)
+        self.encoder = Encoder(cfg, self.token_embedding, num_positions=cfg.max_source_len)
+        self.decoder = NARDecoder(cfg, self.token_embedding)
+
+    def encode(self, source: jax.Array, deterministic: bool = True):
+        """source: int32[B, S]. Returns (encoded [B, S, D], memory_mask bool[B, S])."""
+        return self.encoder(source, deterministic), source != PAD_ID
+
+    def decode(
+        self,
+        encoded: jax.Array,
+        memory_mask: jax.Array,
+        hypothesis: jax.Array,
+        deterministic: bool = True,
+        valid: jax.Array | None = None,
+        vocab_ids: jax.Array | None = None,
+        outputs: jax.Array | None = None,
+    ) -> jax.Array:
+        """One pass over prefix + block: hypothesis int32[B, T]; valid, vocab_ids, outputs:
+        as `NARDecoder`. Returns logits float32[B, T or O, V or K]."""
+        return self.decoder(encoded, memory_mask, hypothesis, deterministic, valid, vocab_ids,
+                            outputs)
+
+    def __call__(self, source: jax.Array, hypothesis: jax.Array, deterministic: bool = True):
+        """Returns the token logits float32[B, T, V] of one pass."""
+        encoded, memory_mask = self.encode(source, deterministic)
+        return self.decode(encoded, memory_mask, hypothesis, deterministic)
+
+
 class ARTransformer(nn.Module):
     """The autoregressive teacher: encoder, causal decoder."""
 
@@ -556,11 +678,13 @@ class ARTransformer(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         vocab_ids: jax.Array | None = None,
+        start: jax.Array | None = None,
     ) -> jax.Array:
         """inputs: int32[B, T] right-shifted targets, or [B, 1] with `decode=True` and a
-        filled cache; vocab_ids: as `NARDecoder`. Returns logits float32[B, T, V] (or K)."""
+        filled cache, or a block per row at positions from `start` (`ARDecoder`);
+        vocab_ids: as `NARDecoder`. Returns logits float32[B, T, V] (or K)."""
         return self.decoder(encoded, memory_mask, inputs, target_mask, deterministic, decode,
-                            vocab_ids)
+                            vocab_ids, start)
 
     def __call__(self, source: jax.Array, target: jax.Array, deterministic: bool = True):
         """Teacher forcing. target: int32[B, T] ids + EOS, 0-padded. Returns [B, T, V]."""

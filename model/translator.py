@@ -44,7 +44,7 @@ not a latency a user would see).
 
 Decoder passes per sentence (the sequential decoder calls, which set the latency on an
 accelerator at batch 1): for the NAR kinds what `model.refinement` reports (the teacher's
-scoring pass counted for `refine_rescored`); for `draft_verify` rounds x (student passes per
+scoring pass counted for `refine_rescored`); for `draft_verify` rounds x (drafter passes per
 draft + the teacher's pass); for the AR kinds the hypothesis length counting EOS (the steps
 that produced it; beam search may run a few more steps before it knows no live beam can
 win, each over `beam_size` rows). Scores: the beam's length-penalised log-probability
@@ -53,11 +53,11 @@ teacher for `refine_rescored`), None for `ar_greedy` and `draft_verify`.
 
 Kinds with a second model (`DecodeMethod.rescorer`: `refine_rescored`, `draft_verify`)
 decode with two: the student refines its candidates and the teacher picks one
-(`refinement.refine_rescored`), or the student drafts and the teacher verifies
-(`draft_verify.draft_verify`, into the whole cap, since a draft may grow).
+(`refinement.refine_rescored`), or the block drafter drafts and the teacher verifies
+(`draft_verify.draft_verify`, into the whole cap: the teacher says where a sentence ends).
 The first call runs both encoders, the second the passes and the teacher's scoring pass;
 both are timed like every other kind. The teacher is the `rescorer` given to the
-`Translator` (the decode stage gives its own), else the one the student's artifact was
+`Translator` (the decode stage gives its own), else the one the model's artifact was
 computed from (`upstream`).
 """
 
@@ -170,9 +170,12 @@ def _encode_batch(model: Any, method: DecodeMethod, params: Any, source: jax.Arr
     """The first call: the encoder (AR), or the encoder and the length head (PaDIR:
     `refinement.Candidates` with lengths up to `max_len`); for a rescored kind, whose model
     and params are (student's, rescorer's), also the rescorer's encoder
-    (`refinement.Rescoring`)."""
+    (`refinement.Rescoring`); for draft_verify, (drafter's, teacher's), both encoders."""
     if method.stage in config_lib.AR_STAGES:
         return model.encode(params, source)
+    if method.kind == "draft_verify":  # no lengths: the teacher says where a sentence ends
+        (model, verifier), (params, verifier_params) = model, params
+        return model.encode(params, source), verifier.encode(verifier_params, source)
     if method.rescorer:
         (model, rescorer), (params, rescorer_params) = model, params
         return refinement.Rescoring(

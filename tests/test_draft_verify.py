@@ -1,6 +1,7 @@
 """Tests for model/draft_verify.py: with exact verification the output is the teacher's
-greedy output token for token, whatever the draft (right, wrong, too short, too long, rows
-finishing at different rounds), and the rounds and accepted tokens say what it cost."""
+greedy output token for token, whatever the draft (right, wrong, ending early or late, rows
+finishing at different rounds), the teacher's cache carried across rounds, and the rounds
+and accepted tokens say what it cost."""
 
 import dataclasses
 
@@ -11,20 +12,21 @@ import pytest
 
 from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID
-from model import draft_verify, refinement
-from tiny_models import BATCH, FIRST_REAL, MAX_LEN, VOCAB, memorised_ar, memorised_padir, pairs
+from model import draft_verify
+from tiny_models import (BATCH, FIRST_REAL, MAX_LEN, VOCAB, memorised_ar, memorised_drafter,
+                         pairs)
 
 
 @dataclasses.dataclass(frozen=True)
-class Drafter:
-    """A stand-in student that drafts given tokens: position t of every pass predicts
-    params["draft"][b, t] (a real piece), whatever the hypothesis."""
+class Fixed:
+    """A stand-in drafter that drafts given rows: the block after a prefix of n tokens is
+    params[b, n : n + block] (the row's last token past its end)."""
 
-    def decoder_memory(self, params, encoded, memory_mask, valid):
-        return encoded  # the draft tokens, int32[B, T]
+    block: int
 
-    def pass_logits(self, params, memory, hypothesis, vocab_ids=None):
-        return 20.0 * jax.nn.one_hot(memory, VOCAB)  # [B, T, V]
+    def draft(self, params, encoded, memory_mask, tokens, length, passes=1, vocab_ids=None):
+        at = jnp.minimum(length[:, None] + jnp.arange(self.block), params.shape[1] - 1)
+        return jnp.take_along_axis(params, at, axis=1)
 
 
 def _teacher_greedy(source):
@@ -33,21 +35,18 @@ def _teacher_greedy(source):
         params, *teacher.encode(params, source), MAX_LEN))
 
 
-def _oracle(source, draft, lengths, **options):
-    """draft_verify of `Drafter` drafting `draft` int[B, T] with predicted `lengths`."""
+def _oracle(source, draft, block, **options):
+    """draft_verify of `Fixed(block)` drafting the rows `draft` int[B, T]."""
     teacher, params = memorised_ar()
-    candidates = refinement.Candidates(encoded=jnp.asarray(draft, jnp.int32),
-                                       memory_mask=source != PAD_ID,
-                                       lengths=jnp.asarray(lengths, jnp.int32)[:, None])
-    rescoring = refinement.Rescoring(candidates, teacher.encode(params, source))
-    return draft_verify.draft_verify(Drafter(), {}, teacher, params, rescoring, width=MAX_LEN,
-                                     **options)
+    encoded = ((source, source != PAD_ID), teacher.encode(params, source))
+    return draft_verify.draft_verify(Fixed(block), jnp.asarray(draft, jnp.int32), teacher,
+                                     params, encoded, width=MAX_LEN, **options)
 
 
-def _pieces(greedy):
-    """The greedy rows with EOS and PAD replaced by real pieces: a draft that is right at
-    every content position and says nothing of where the sentence ends."""
-    return np.where(greedy < FIRST_REAL, FIRST_REAL, greedy)
+def _wrong(greedy):
+    """Rows of real pieces that differ from greedy's at every position."""
+    wrong = np.where(greedy == FIRST_REAL, FIRST_REAL + 1, FIRST_REAL)
+    return np.where(greedy == wrong, FIRST_REAL + 2, wrong)
 
 
 def _length(row) -> int:
@@ -55,87 +54,92 @@ def _length(row) -> int:
     return int(np.sum(row != PAD_ID))
 
 
-def test_a_right_draft_of_the_right_length_takes_one_round():
+@pytest.mark.parametrize("block", [1, 2, 3, 7])
+def test_a_right_draft_gains_a_block_and_the_teachers_token_a_round(block):
     greedy = _teacher_greedy(BATCH["source"])
-    lengths = [_length(row) for row in greedy]
-    result = _oracle(BATCH["source"], _pieces(greedy), lengths)
+    lengths = np.asarray([_length(row) for row in greedy])
+    result = _oracle(BATCH["source"], greedy, block)
     np.testing.assert_array_equal(result.tokens, greedy)
-    np.testing.assert_array_equal(result.rounds, [1] * 4)
-    np.testing.assert_array_equal(result.accepted, lengths)  # every token, EOS included
-    np.testing.assert_array_equal(result.passes, [2] * 4)  # one student + one teacher pass
     np.testing.assert_array_equal(result.lengths, lengths)
+    np.testing.assert_array_equal(result.rounds, -(-lengths // (block + 1)))
+    # Every token is drafted and accepted but the teacher's own one a round, unless the
+    # round's block held the drafted EOS.
+    rounds = np.asarray(result.rounds)
+    own = np.where(lengths % (block + 1) == 0, rounds, rounds - 1)
+    np.testing.assert_array_equal(result.accepted, lengths - own)
+    np.testing.assert_array_equal(result.passes, 2 * rounds)  # a drafter + a teacher pass
 
 
 def test_a_draft_that_is_always_wrong_takes_one_round_per_token():
     greedy = _teacher_greedy(BATCH["source"])
-    wrong = np.where(greedy == FIRST_REAL, FIRST_REAL + 1, FIRST_REAL)  # never the teacher's
-    wrong = np.where(_pieces(greedy) == wrong, FIRST_REAL + 2, wrong)
-    result = _oracle(BATCH["source"], wrong, [MAX_LEN] * 4)
+    result = _oracle(BATCH["source"], _wrong(greedy), 3)
     np.testing.assert_array_equal(result.tokens, greedy)
     np.testing.assert_array_equal(result.rounds, [_length(row) for row in greedy])
     np.testing.assert_array_equal(result.accepted, [0] * 4)
 
 
-@pytest.mark.parametrize("offset", [-3, -1, 1, 3])
-def test_drafts_shorter_or_longer_than_the_output_still_give_greedy(offset):
+@pytest.mark.parametrize("shift", [-2, -1, 1, 2])
+def test_drafts_that_end_early_or_late_still_give_greedy(shift):
+    """A draft with EOS where the teacher has a piece, or a piece where it ends."""
     greedy = _teacher_greedy(BATCH["source"])
-    lengths = np.clip([_length(row) + offset for row in greedy], 2, MAX_LEN)
-    result = _oracle(BATCH["source"], _pieces(greedy), lengths)
+    draft = greedy.copy()
+    for row, n in zip(draft, [_length(r) for r in greedy]):
+        eos = int(np.clip(n - 1 + shift, 1, MAX_LEN - 1))
+        row[:] = np.where(row < FIRST_REAL, FIRST_REAL, row)
+        row[eos] = EOS_ID
+    result = _oracle(BATCH["source"], draft, 7)
     np.testing.assert_array_equal(result.tokens, greedy)
-    # Too short: the prefix reaches the predicted length, the draft grows past it (one
-    # more round); too long: the teacher's EOS replaces a drafted piece in the first round.
-    expected = [1 if length == _length(row) or offset > 0 else 2
-                for row, length in zip(greedy, lengths)]
+    # One round: the draft is right up to where it or the teacher ends; then the teacher's
+    # own token (EOS, or the piece the early EOS displaced), and past it a second round.
+    expected = [1 if shift > 0 else 2] * 4
     np.testing.assert_array_equal(result.rounds, expected)
 
 
 def test_rows_of_one_batch_finish_at_different_rounds():
     greedy = _teacher_greedy(BATCH["source"])
-    draft = _pieces(greedy).copy()
-    draft[1, 1:] = np.where(draft[1, 1:] == FIRST_REAL, FIRST_REAL + 1, FIRST_REAL)  # wrong
-    draft[2, 2] = FIRST_REAL + 1 if draft[2, 2] != FIRST_REAL + 1 else FIRST_REAL + 2
-    result = _oracle(BATCH["source"], draft, [_length(row) for row in greedy])
+    draft = greedy.copy()
+    draft[1, 1:] = _wrong(greedy)[1, 1:]
+    draft[2, 2] = _wrong(greedy)[2, 2]
+    result = _oracle(BATCH["source"], draft, 7)
     np.testing.assert_array_equal(result.tokens, greedy)
     rounds = np.asarray(result.rounds)
     assert rounds[0] == rounds[3] == 1 and rounds[2] == 2 and rounds[1] == _length(greedy[1]) - 1
     assert len(set(rounds.tolist())) == 3
 
 
-def test_the_trained_student_drafts_and_the_output_is_the_teachers_greedy():
-    """The tiny student and teacher, on the pairs they memorised and on sources they never
+def test_the_trained_drafter_drafts_and_the_output_is_the_teachers_greedy():
+    """The tiny drafter and teacher, on the pairs they memorised and on sources they never
     saw (where the teacher may not stop before the cap, and the drafts are poor)."""
-    student, student_params = memorised_padir()
+    drafter, drafter_params = memorised_drafter()
     teacher, teacher_params = memorised_ar()
     source = jnp.concatenate([BATCH["source"], pairs(12, seed=3)["source"]])
-    candidates = refinement.predict_candidates(student, student_params, source,
-                                               num_length_candidates=1, length_offsets=(0,))
-    rescoring = refinement.Rescoring(candidates, teacher.encode(teacher_params, source))
+    encoded = (drafter.encode(drafter_params, source), teacher.encode(teacher_params, source))
     greedy = _teacher_greedy(source)
+    lengths = np.asarray([_length(row) for row in greedy])
     for passes in (1, 2):
-        result = draft_verify.draft_verify(student, student_params, teacher, teacher_params,
-                                           rescoring, width=MAX_LEN, draft_passes=passes)
+        result = draft_verify.draft_verify(drafter, drafter_params, teacher, teacher_params,
+                                           encoded, width=MAX_LEN, draft_passes=passes)
         np.testing.assert_array_equal(result.tokens, greedy)
-        lengths = np.asarray([_length(row) for row in greedy])
         np.testing.assert_array_equal(result.lengths, lengths)
         assert np.all(np.asarray(result.rounds) <= lengths)  # never more than greedy's steps
         assert np.all(np.asarray(result.passes) == np.asarray(result.rounds) * (passes + 1))
-    # The memorised pairs are drafted right: fewer rounds than tokens.
-    assert np.all(np.asarray(result.rounds)[:4] < lengths[:4])
+        # The memorised pairs are drafted right: a block and the teacher's token a round.
+        np.testing.assert_array_equal(np.asarray(result.rounds)[:4],
+                                      -(-lengths[:4] // (drafter.block + 1)))
 
 
 def test_tolerance_accepts_what_the_teacher_ranks_high_enough():
     greedy = _teacher_greedy(BATCH["source"])
-    wrong = np.where(_pieces(greedy) == FIRST_REAL, FIRST_REAL + 1, FIRST_REAL)
-    lengths = [_length(row) for row in greedy]
-    # Any token within the whole vocabulary and 1e9 nats: the draft is the output.
-    loose = _oracle(BATCH["source"], wrong, lengths, top_k=VOCAB, margin=1e9)
-    np.testing.assert_array_equal(loose.rounds, [1] * 4)
-    positions = np.arange(MAX_LEN)[None, :]
-    expected = np.where(positions < np.asarray(lengths)[:, None] - 1, wrong,
-                        np.where(positions == np.asarray(lengths)[:, None] - 1, EOS_ID, PAD_ID))
-    np.testing.assert_array_equal(loose.tokens, expected)
+    wrong = _wrong(greedy)
+    # Any token within the whole vocabulary and 1e9 nats: every drafted token is accepted,
+    # and the teacher adds its own after each block.
+    loose = _oracle(BATCH["source"], wrong, 3, top_k=VOCAB, margin=1e9)
+    np.testing.assert_array_equal(loose.accepted, 3 * np.asarray(loose.rounds) -
+                                  np.maximum(0, 4 * np.asarray(loose.rounds) - MAX_LEN))
+    tokens = np.asarray(loose.tokens)
+    np.testing.assert_array_equal(tokens[:, :3], wrong[:, :3])
     # A zero margin accepts only the teacher's best: exact verification.
-    strict = _oracle(BATCH["source"], wrong, lengths, top_k=2, margin=0.0)
+    strict = _oracle(BATCH["source"], wrong, 3, top_k=2, margin=0.0)
     np.testing.assert_array_equal(strict.tokens, greedy)
 
 

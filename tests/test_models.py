@@ -10,7 +10,8 @@ import pytest
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
 from model.losses import LossSettings
-from model.models import ARModel, PaDIRModel, masked_hypothesis, truncate_after_eos
+from model.models import (ARModel, DrafterModel, PaDIRModel, masked_hypothesis,
+                          truncate_after_eos)
 from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, VOCAB, memorised_padir, train
 
@@ -22,7 +23,8 @@ def test_helpers():
     np.testing.assert_array_equal(truncate_after_eos(ids), [[7, EOS_ID, 0, 0], [7, 8, 9, 10]])
 
 
-@pytest.mark.parametrize("model", [ARModel(CONFIG, VOCAB), PaDIRModel(CONFIG, VOCAB, FIRST_REAL)])
+@pytest.mark.parametrize("model", [ARModel(CONFIG, VOCAB), PaDIRModel(CONFIG, VOCAB, FIRST_REAL),
+                                   DrafterModel(CONFIG, VOCAB, 3)])
 def test_init_by_shape_and_logical_axes(model):
     shapes = jax.eval_shape(model.init, jax.random.key(0), BATCH)
     axes = model.logical_axes(BATCH)
@@ -161,3 +163,51 @@ def test_target_log_probs_are_the_teacher_forced_log_softmax_at_the_targets():
     np.testing.assert_allclose(np.asarray(log_probs)[non_pad], np.asarray(expected)[non_pad],
                                atol=1e-5)
     assert np.all(np.asarray(log_probs)[~non_pad] == 0.0)
+
+
+def test_blocks_over_the_cache_score_as_one_teacher_forced_pass(ar_trained):
+    """Rows advance by blocks of different sizes at their own positions, each block over
+    the keys and values the earlier ones left (some written past where the next block
+    starts, as a rejected draft leaves them): every position scores as the forced pass."""
+    model, params = ar_trained
+    encoded, memory_mask = model.encode(params, BATCH["source"])
+    target = np.asarray(BATCH["target"])
+    forced = np.asarray(model.forced_logits(params, encoded, memory_mask, BATCH["target"]))
+    inputs = np.asarray(jnp.concatenate([jnp.full((4, 1), 3), BATCH["target"]], axis=1))
+    width = 3
+    cache = model.init_block_cache(params, encoded, memory_mask, target.shape[1] + width)
+    start = np.zeros(4, np.int32)
+    advance = np.array([[1, 3, 2, 3], [2, 1, 3, 1], [3, 3, 3, 3]])  # per round, per row
+    block_logits = jax.jit(model.block_logits)
+    for steps in advance:
+        at = start[:, None] + np.arange(width)
+        logits, cache = block_logits(params, encoded, memory_mask,
+                                     jnp.asarray(np.take_along_axis(inputs, at, axis=1)),
+                                     jnp.asarray(start), cache)
+        for row in range(4):
+            for i in range(steps[row]):
+                position = start[row] + i
+                if target[row, position] == PAD_ID:
+                    continue
+                np.testing.assert_allclose(mask_non_target_ids(logits[row, i]),
+                                           forced[row, position], rtol=1e-4, atol=1e-4)
+        start = start + steps
+
+
+def test_the_drafter_learns_the_block_after_any_prefix():
+    model = DrafterModel(CONFIG, VOCAB, 3, label_smoothing=0.0)
+    params = train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 400)
+    _, metrics = model.loss_fn(params, BATCH, jax.random.key(5), deterministic=True)
+    # One block a row, cut at the target's end: at most 3 weighted tokens each.
+    assert 4 <= metrics["weights"] <= 12
+    assert metrics["accuracy"] == metrics["weights"]
+    target = np.asarray(BATCH["target"])
+    encoded, memory_mask = model.encode(params, BATCH["source"])
+    for n in range(4):
+        drafted = model.draft(params, encoded, memory_mask, BATCH["target"],
+                              jnp.full((4,), n, jnp.int32))
+        expected = np.concatenate([target, np.zeros((4, 3), np.int32)], axis=1)[:, n:n + 3]
+        content = expected != PAD_ID
+        np.testing.assert_array_equal(np.asarray(drafted)[content], expected[content])
+    # Its own translation, block by block with nothing verified: the memorised targets.
+    np.testing.assert_array_equal(jax.jit(model.predict_batch)(params, BATCH), target)

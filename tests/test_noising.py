@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model import noising
 from model.noising import noise_targets
 
 VOCAB = 1000
@@ -103,3 +104,19 @@ def test_prefix_ratio_gives_drafting_inputs_a_gold_prefix_and_the_rest_masked():
     kept = (cut[rows] / eligible.sum(1)[rows]).mean()
     assert abs(kept - 0.5) < 0.05
     np.testing.assert_array_equal(np.where(mask, targets, ids), targets)  # prefix is gold
+
+
+def test_draft_block_keeps_a_gold_prefix_then_a_masked_block_and_nothing_after():
+    targets = _targets(4096, 24)
+    hypothesis, start = map(np.asarray, noising.draft_block(jax.random.key(3), targets, 4))
+    targets = np.asarray(targets)
+    tokens = (targets != PAD_ID).sum(1)
+    assert (start >= 0).all() and (start < tokens).all()
+    positions = np.arange(targets.shape[1])[None, :]
+    prefix = positions < start[:, None]
+    block = ~prefix & (positions < start[:, None] + 4)
+    np.testing.assert_array_equal(hypothesis[prefix], targets[prefix])
+    assert (hypothesis[block] == MASK_ID).all()
+    assert (hypothesis[~prefix & ~block] == PAD_ID).all()
+    # Uniform over the n tokens (EOS counted): the prefix is about half of them.
+    assert abs(((start + 0.5) / tokens).mean() - 0.5) < 0.03

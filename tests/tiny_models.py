@@ -1,7 +1,8 @@
 """Tiny Transformers that memorise four random pairs, for the model and decoding tests.
 
 Training dominates those tests' time, so each trained model is built once a session
-(`functools.cache`) and shared: the PaDIR one by tests/test_models.py and tests/test_refinement.py.
+(`functools.cache`) and shared: the PaDIR one by tests/test_models.py and tests/test_refinement.py,
+the drafter and the AR one by tests/test_draft_verify.py.
 """
 
 import functools
@@ -13,7 +14,7 @@ import optax
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID
-from model.models import ARModel, PaDIRModel
+from model.models import ARModel, DrafterModel, PaDIRModel
 
 VOCAB = 40
 FIRST_REAL = 6
@@ -74,3 +75,13 @@ def memorised_ar() -> tuple[ARModel, dict]:
     """An AR model that has memorised BATCH: (model, params)."""
     model = ARModel(CONFIG, VOCAB, label_smoothing=0.0)
     return model, train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 300)
+
+
+DRAFT_BLOCK = 3
+
+
+@functools.cache
+def memorised_drafter() -> tuple[DrafterModel, dict]:
+    """A block drafter (blocks of DRAFT_BLOCK) that has memorised BATCH: (model, params)."""
+    model = DrafterModel(CONFIG, VOCAB, DRAFT_BLOCK, label_smoothing=0.0)
+    return model, train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 400)
