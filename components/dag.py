@@ -7,17 +7,20 @@ The Prefect flow uses the same keys as its cache keys.
 
 One switch shapes the graph, `distill.enabled`: when on, the teacher's translations of
 the training sources (`distill`), encoded like the originals (`encode_distilled`), are
-what the student (`student`) and the AR student (`ar_student`) train on; when off, those
-two stages are not part of the run and the students read the original `encode` artifact,
-as the teacher always does. So the switch changes the students' keys (and their
-dependents'), never the teacher's:
+what the students train on: the PaDIR student (`student`), the AR student
+(`ar_student`) and the block drafter (`drafter`); when off, those two stages are not part
+of the run and the students read the original `encode` artifact, as the teacher always
+does. So the switch changes the students' keys (and their dependents'), never the
+teacher's:
 
   prepare ─► vocab ─► encode ─► teacher ─► distill ─► encode_distilled ─┬─► student ────┬─► decode ─► score
-                        │                                               ├─► ar_student ─┘
+                        │                                               ├─► ar_student ─┤
+                        │                                               ├─► drafter ────┘
                         └──────────── (distill.enabled: false) ─────────┘
 
 The AR student is part of the run only when a decode method decodes with it
-(`model: ar_student`); decode reads it then, and its key covers the AR student's.
+(`model: ar_student`), the block drafter only when one has kind `draft_verify`; decode
+reads each of them then, and its key covers theirs.
 """
 
 from __future__ import annotations
@@ -58,15 +61,20 @@ STAGES: dict[str, StageSpec] = {
     "ar_student": StageSpec(sections=("ar_student", "seed"),
                             inputs=("prepare", "vocab", "encode"),
                             entry="pipelines.ar_student:run", pipeline_job=False),
-    # Reads "ar_student" only when a method decodes with it (`inputs`).
+    "drafter": StageSpec(sections=("drafter", "seed"), inputs=("prepare", "vocab", "encode"),
+                         entry="pipelines.drafter:run", pipeline_job=False),
+    # Reads "ar_student" and "drafter" only when a method decodes with them (`inputs`).
     "decode": StageSpec(sections=("decode",),
-                        inputs=("prepare", "vocab", "teacher", "student", "ar_student"),
+                        inputs=("prepare", "vocab", "teacher", "student", "ar_student",
+                                "drafter"),
                         entry="pipelines.decode:run", pipeline_job=True),
     "score": StageSpec(sections=(), inputs=("prepare", "decode"),
                        entry="pipelines.score:run", pipeline_job=False),
 }
 DISTILL_STAGES = ("distill", "encode_distilled")  # active only with `distill.enabled`
-STUDENTS = ("student", "ar_student")  # train on `student_data`, may start from the teacher
+# Train on `student_data`, may start from the teacher.
+STUDENTS = ("student", "ar_student", "drafter")
+OPTIONAL_MODELS = ("ar_student", "drafter")  # active only when a decode method uses them
 
 
 def student_data(config: Config) -> str:
@@ -78,10 +86,11 @@ def student_data(config: Config) -> str:
 def inputs(config: Config, stage: str) -> tuple[str, ...]:
     """The upstream stages whose artifacts `stage` reads under this config: a student
     also reads the teacher when it starts from it (`init_from_teacher`); decode reads
-    the AR student only when a method decodes with it."""
+    the AR student and the drafter only when a method decodes with them."""
     spec = STAGES[stage]
-    if stage == "decode" and "ar_student" not in config.decode.models:
-        return tuple(name for name in spec.inputs if name != "ar_student")
+    if stage == "decode":
+        return tuple(name for name in spec.inputs
+                     if name not in OPTIONAL_MODELS or name in config.decode.models)
     if stage not in STUDENTS:
         return spec.inputs
     names = tuple(student_data(config) if name == "encode" else name for name in spec.inputs)
@@ -94,6 +103,8 @@ def inactive_reason(config: Config, stage: str) -> str | None:
         return "distill.enabled is false"
     if stage == "ar_student" and stage not in inputs(config, "decode"):
         return "no decode method has model: ar_student"
+    if stage == "drafter" and stage not in inputs(config, "decode"):
+        return "no decode method has kind: draft_verify"
     return None
 
 

@@ -29,7 +29,7 @@ from components import artifacts, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import checkpoints, train
-from model.models import ARModel, PaDIRModel
+from model.models import ARModel, DrafterModel, PaDIRModel
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ class LoadedModel:
     """A training artifact restored for decoding."""
 
     uri: str
-    stage: str  # "teacher" or "ar_student" (ARModel), or "student" (PaDIRModel)
+    stage: str  # "teacher" or "ar_student" (ARModel), "student" (PaDIRModel), "drafter"
     step: int
-    model: Union[ARModel, PaDIRModel]
+    model: Union[ARModel, PaDIRModel, DrafterModel]
     params: Any
     tokenizer: Tokenizer
     boundaries: tuple[int, ...]  # the encode stage's length buckets
@@ -67,8 +67,8 @@ def _read_text(uri: str) -> str:
 
 
 def load(uri: str) -> LoadedModel:
-    """Restores a published training artifact, `teacher`, `ar_student` or `student` (see the
-    module docstring).
+    """Restores a published training artifact, `teacher`, `ar_student`, `student` or
+    `drafter` (see the module docstring; the drafter's `block` is its manifest's too).
 
     Raises:
       artifacts.IncompleteArtifactError: `uri` has no manifest.
@@ -84,6 +84,8 @@ def load(uri: str) -> LoadedModel:
     tokenizer = Tokenizer.for_artifact(artifact)
     if artifact.stage in config_lib.AR_STAGES:
         model = ARModel(model_config, tokenizer.vocab_size)
+    elif artifact.stage == "drafter":
+        model = DrafterModel(model_config, tokenizer.vocab_size, section["block"])
     else:
         model = PaDIRModel(model_config, tokenizer.vocab_size, tokenizer.first_real_id)
     resolved = yaml.safe_load(_read_text(artifact.path(artifacts.CONFIG)))

@@ -1,7 +1,8 @@
 """What the training stages share: `teacher` (pipelines/teacher.py, the AR model),
-`student` (pipelines/student.py, the PaDIR student) and `ar_student`
-(pipelines/ar_student.py, the AR baseline with a one-layer decoder) read their data, build
-their model, start from the teacher and publish their checkpoints the same way, over
+`student` (pipelines/student.py, the PaDIR student), `ar_student`
+(pipelines/ar_student.py, the AR baseline with a one-layer decoder) and `drafter`
+(pipelines/drafter.py, the block drafter of draft_verify) read their data, build their
+model, start from the teacher and publish their checkpoints the same way, over
 model/train.py's loop.
 
 Training works in `<stage>/.partial-<key>/` (see `components.artifacts.write`) under the
@@ -29,7 +30,7 @@ from components import artifacts, corpus, dag
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import input_pipeline, sharding, train, trained_model, warm_start
-from model.models import ARModel, PaDIRModel
+from model.models import ARModel, DrafterModel, PaDIRModel
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def load_tokenizer(config: config_lib.Config) -> Tokenizer:
 
 def training_data(config: config_lib.Config, stage: str,
                   tokenizer: Tokenizer) -> train.TrainData:
-    """The data of training stage `stage` ("teacher", "student" or "ar_student"): bucketed
+    """The data of training stage `stage` (the teacher or a student, `dag.STUDENTS`): bucketed
     batches of about `loop.tokens_per_batch` tokens of its encode artifact (the students':
     `dag.student_data`), split across processes.
     Reads the JAX backend: `jax.distributed.initialize` must have run."""
@@ -85,6 +86,11 @@ def student_model(config: config_lib.Config, tokenizer: Tokenizer) -> PaDIRModel
 def ar_student_model(config: config_lib.Config, tokenizer: Tokenizer) -> ARModel:
     return ARModel(config.ar_student.model, tokenizer.vocab_size,
                    label_smoothing=config.ar_student.label_smoothing)
+
+
+def drafter_model(config: config_lib.Config, tokenizer: Tokenizer) -> DrafterModel:
+    return DrafterModel(config.drafter.model, tokenizer.vocab_size, config.drafter.block,
+                        label_smoothing=config.drafter.label_smoothing)
 
 
 def teacher_warm_start(config: config_lib.Config, stage: str):

@@ -75,8 +75,10 @@ def fake_config(tmp_path) -> str:
     path.write_text(f"workdir: {tmp_path}/work\n"
                     "data: {source_lang: en, target_lang: de,\n"
                     "       train: {source: unused.en, target: unused.de}}\n"
-                    # A method of the AR student's: every registered stage is in the run.
-                    "decode: {methods: [{name: g, kind: ar_greedy, model: ar_student}]}\n")
+                    # A method of the AR student's and one of the drafter's: every
+                    # registered stage is in the run.
+                    "decode: {methods: [{name: g, kind: ar_greedy, model: ar_student},\n"
+                    "                   {name: dv, kind: draft_verify}]}\n")
     return str(path)
 
 

@@ -36,8 +36,9 @@ def test_topological_order_puts_every_stage_after_its_inputs(config):
     assert plan.downstream("left", DIAMOND) == ["left", "report"]
     graph = dag.graph(config)
     order = plan.topological_order(graph)
-    # Distillation is on by default; no default method decodes with the AR student.
-    assert sorted(order) == sorted(set(dag.STAGES) - {"ar_student"})
+    # Distillation is on by default; no default method decodes with the AR student or
+    # drafts with the drafter.
+    assert sorted(order) == sorted(set(dag.STAGES) - {"ar_student", "drafter"})
     for stage in order:
         assert all(order.index(up) < order.index(stage) for up in graph[stage])
 
@@ -71,6 +72,33 @@ def test_the_ar_student_runs_when_a_method_decodes_with_it_on_the_students_data(
         longer = base.replace(ar_student=config_lib.ARStudentConfig(steps=7))
         assert {stage for stage in dag.STAGES
                 if dag.stage_key(longer, stage) != dag.stage_key(base, stage)} == changed
+
+
+def test_the_drafter_runs_when_a_method_drafts_with_it_on_the_students_data(config):
+    assert "drafter" not in dag.active_stages(config)
+    assert "drafter" not in dag.inputs(config, "decode")
+    with pytest.raises(config_lib.ConfigError, match=r"'drafter' is not part of this "
+                       r"config's run \(no decode method has kind: draft_verify\)"):
+        plan.plan(config, only="drafter")
+    drafted = config.replace(decode=config_lib.DecodeConfig(methods=(
+        config_lib.DecodeMethod("dv", "draft_verify", iterations=1),)))
+    order = [row["stage"] for row in plan.describe(drafted)]  # `padir status`
+    # After the students it trains beside, before decode: the flow runs one at a time.
+    assert order[order.index("student") + 1:] == ["drafter", "decode", "score"]
+    assert dag.inputs(drafted, "decode") == ("prepare", "vocab", "teacher", "student",
+                                             "drafter")
+    # It starts from the teacher by default, on the students' data.
+    assert dag.inputs(drafted, "drafter") == ("prepare", "vocab", "encode_distilled", "teacher")
+    off = drafted.replace(distill=config_lib.DistillConfig(enabled=False),
+                          drafter=config_lib.DrafterConfig(init_from_teacher=False))
+    assert dag.inputs(off, "drafter") == dag.inputs(off, "student") == \
+        ("prepare", "vocab", "encode")
+    # Its section changes its key and decode's (and score's), nothing else; and no key at
+    # all while no method drafts with it.
+    for base, changed in ((drafted, {"drafter", "decode", "score"}), (config, {"drafter"})):
+        wider = base.replace(drafter=config_lib.DrafterConfig(block=4))
+        assert {stage for stage in dag.STAGES
+                if dag.stage_key(wider, stage) != dag.stage_key(base, stage)} == changed
 
 
 def test_a_cycle_or_an_unknown_input_is_an_error():

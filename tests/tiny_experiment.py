@@ -46,6 +46,8 @@ def tiny_config(workdir, *overrides: str) -> config_lib.Config:
         "student.phase2_steps=2", "student.optimizer.warmup_steps=1",
         f"ar_student.model={TINY_MODEL}", f"ar_student.loop={TINY_LOOP}", "ar_student.steps=3",
         "ar_student.optimizer.warmup_steps=1",
+        f"drafter.model={TINY_MODEL}", f"drafter.loop={TINY_LOOP}", "drafter.steps=3",
+        "drafter.optimizer.warmup_steps=1",
         # Few sources share a length here: small batches waste fewer filler rows.
         "distill.batch_size=8",
         *overrides,
@@ -63,8 +65,8 @@ def ensure(config: config_lib.Config, *stages: str) -> None:
 
 
 def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifact:
-    """A `teacher`, `ar_student` or `student` artifact as its stage lays it out, with initial
-    parameters (once per key: an existing one is returned as it is)."""
+    """A `teacher`, `ar_student`, `student` or `drafter` artifact as its stage lays it out,
+    with initial parameters (once per key: an existing one is returned as it is)."""
     if artifacts.is_complete(dag.output_uri(config, stage)):
         return artifacts.read(dag.output_uri(config, stage))
     import jax  # imported here: the config helper above must not start JAX
@@ -76,7 +78,7 @@ def publish_untrained(config: config_lib.Config, stage: str) -> artifacts.Artifa
 
     tokenizer = training.load_tokenizer(config)
     make = {"teacher": training.teacher_model, "ar_student": training.ar_student_model,
-            "student": training.student_model}[stage]
+            "student": training.student_model, "drafter": training.drafter_model}[stage]
     model = make(config, tokenizer)
     params = model.init(jax.random.key(1), train.example_batch(model))
     inputs = {name: dag.output_uri(config, name) for name in dag.inputs(config, stage)}
