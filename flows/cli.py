@@ -213,24 +213,29 @@ def _reads_corpora(args: argparse.Namespace) -> bool:
 def _add_translate_command(commands) -> None:
     translate = commands.add_parser(
         "translate", help="translate stdin line by line with a training artifact (an AR "
-                          "model or the student)",
+                          "model, the student or the drafter)",
         description="Reads UTF-8 sentences from stdin, prints exactly one translation per "
                     "line. A line that is not UTF-8 gets an empty output line; it and a "
                     "source cut to the widest length bucket are reported on stderr, and the "
                     "first makes the exit status 1. Options a method does not use are an "
                     "error; unset ones take the defaults of components.config.DecodeMethod.")
     translate.add_argument("--checkpoint", required=True, metavar="DIR",
-                           help="a published teacher, ar_student or student artifact, relative "
-                                "or absolute, e.g. work/multi30k_en_de/student/<key>")
+                           help="a published teacher, ar_student, student or drafter artifact, "
+                                "relative or absolute, e.g. work/multi30k_en_de/student/<key>")
     translate.add_argument("--method", choices=tuple(config_lib.DECODING_KINDS),
-                           help="default: padir for a student artifact, ar_beam for an AR one "
-                                "(teacher, ar_student)")
+                           help="default: refine for a student artifact, ar_beam for an AR one "
+                                "(teacher, ar_student), draft_verify for a drafter one (the "
+                                "teacher it started from verifies)")
     hints = typing.get_type_hints(config_lib.DecodeMethod)
     for field in config_lib.decode_options():
         _add_decode_option(translate, field, hints[field.name])
     translate.add_argument("--batch-size", type=int, default=16,
                            help="sentences decoded together (default 16)")
 
+
+# The kind `padir translate` decodes an artifact with by default, by its stage (an AR one:
+# ar_beam).
+DEFAULT_KINDS = {"student": "refine", "drafter": "draft_verify"}
 
 # A DecodeMethod option's flag is `--option-name`, but for these.
 FLAG_NAMES = {"num_length_candidates": "--length-candidates"}
@@ -272,7 +277,7 @@ def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: in
 def _translate(args: argparse.Namespace) -> int:
     checkpoint = absolute(args.checkpoint)
     stage = artifacts.read(checkpoint).stage
-    kind = args.method or ("ar_beam" if stage in config_lib.AR_STAGES else "refine")
+    kind = args.method or DEFAULT_KINDS.get(stage, "ar_beam")
     options = {field.name: getattr(args, field.name) for field in config_lib.decode_options()
                if getattr(args, field.name) is not None}
     if "model" in config_lib.DECODING_KINDS[kind].options and stage in config_lib.AR_STAGES:

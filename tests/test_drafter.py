@@ -5,10 +5,12 @@ the teacher takes some arrays and leaves others, and drafts blocks of 4 (not the
 8), so that the loaded model is seen to read its block from the manifest. The teacher is
 published untrained (`publish_untrained`: starting from it needs no training); the drafter
 trains 3 steps on the original pairs (an untrained teacher's translations never reach EOS:
-distillation would reject them all), is stopped by SIGTERM after step 2 and resumed.
+distillation would reject them all), is stopped by SIGTERM after step 2 and resumed, then
+translates with `padir translate`, verified by the teacher it started from.
 """
 
 import dataclasses
+import io
 import logging
 import os
 import re
@@ -18,11 +20,12 @@ import jax
 import numpy as np
 import pytest
 
-from components import artifacts, dag
+from components import artifacts, corpus, dag
 from components import config as config_lib
-from flows import plan
+from components.config import DecodeMethod
+from flows import cli, plan
 from flows.stages import run_stage
-from model import train, trained_model
+from model import train, trained_model, translator
 from model.models import DrafterModel
 from pipelines import training
 from tiny_experiment import TINY_MODEL, ensure, publish_untrained, tiny_config
@@ -121,3 +124,19 @@ def test_it_trains_on_the_students_data_resumes_and_publishes(config, monkeypatc
     assert dag.inputs(distilled, "drafter")[2] == "encode_distilled"
     with pytest.raises(artifacts.IncompleteArtifactError, match="padir stage encode_distilled"):
         training.training_data(distilled, "drafter", training.load_tokenizer(config))
+
+
+def test_padir_translate_drafts_with_it_for_its_teacher(config, monkeypatch, capsys):
+    ensure(config, "prepare", "vocab", "encode")
+    publish_untrained(config, "teacher")
+    ensure(config, "drafter")
+    source = next(iter(corpus.read_split(dag.output_uri(config, "prepare"), "test2016")))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(source["source"].encode())))
+    # No --method: a drafter artifact decodes with draft_verify, the teacher found through
+    # its inputs; exact verification is the teacher's greedy output.
+    assert cli.main(["translate", "--checkpoint", dag.output_uri(config, "drafter"),
+                     "--batch-size", "1"]) == 0
+    teacher = trained_model.load_cached(dag.output_uri(config, "teacher"))
+    greedy, = translator.Translator(teacher, DecodeMethod("g", "ar_greedy"),
+                                    batch_size=1).translate([source["source"]])
+    assert capsys.readouterr().out == greedy.hypothesis + "\n"
