@@ -73,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pass-profile", action="store_true",
                         help="also time one PaDIR pass and one AR greedy step part by part")
     parser.add_argument("--floor", action="store_true",
-                        help="also time each PaDIR and AR greedy method's floor beside it, "
+                        help="also time each PaDIR, AR greedy and draft and verify "
+                             "method's floor beside it, "
                              "sentence by sentence (benchmarks/floors.py)")
     parser.add_argument("--profile-calls", type=int, default=30,
                         help="timed calls per part of --pass-profile (medians)")
@@ -545,18 +546,31 @@ def print_pass_profiles(pairs: Sequence[dict], known: dict, translators: dict,
                                             source, max_len=max_len, repeats=repeats)) + "\n")
 
 
-FLOOR_KINDS = ("refine", "ar_greedy")  # the kinds `--floor` times (benchmarks/floors.py)
+# The kinds `--floor` times (benchmarks/floors.py).
+FLOOR_KINDS = ("refine", "ar_greedy", "draft_verify")
 
 
 def floor_of(floors: floors_lib.Floors, kind: str, source_ids: Sequence[int],
              boundaries: Sequence[int], translation: Any) -> floors_lib.Floor:
     """The floor of one sentence's decoding by a method of `kind`, from what it did: PaDIR,
-    its passes over the length it chose; AR greedy, one step per token it emitted."""
+    its passes over the length it chose; AR greedy, one step per token it emitted; draft
+    and verify, its rounds into its width."""
     source_width, _ = records_lib.decoder_shape(len(source_ids), boundaries)
     if kind == "refine":
         return floors.padir(source_ids, source_width=source_width,
                             length=len(translation.tokens), passes=translation.passes)
+    if kind == "draft_verify":
+        return floors.draft_verify(source_ids, source_width=source_width,
+                                   width=translation.width, rounds=translation.rounds)
     return floors.greedy(source_ids, source_width=source_width, steps=len(translation.tokens))
+
+
+def _floor_models(translator_: Any) -> tuple[Any, Any]:
+    """A method's model and params for its `Floors`: (drafter, teacher) for draft_verify."""
+    loaded, rescorer = translator_.loaded, translator_.rescorer
+    if translator_.method.kind == "draft_verify":
+        return (loaded.model, rescorer.model), (loaded.params, rescorer.params)
+    return loaded.model, loaded.params
 
 
 def print_floors(translations: dict[str, list], floors: dict[str, list]) -> None:
@@ -612,8 +626,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs")
 
     floor_names = [n for n in names if args.floor and known[n].kind in FLOOR_KINDS]
-    floors = {n: floors_lib.Floors(latency[n].loaded.model, latency[n].loaded.params)
-              for n in floor_names}
+    floors = {n: floors_lib.Floors(*_floor_models(latency[n])) for n in floor_names}
     floor_times: dict[str, list] = {name: [] for name in floor_names}
     started = time.time()
     translations = {name: [] for name in names}

@@ -5,9 +5,9 @@ Two steps, so that the machine with the accelerator needs neither the workdir no
 pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
 
   1. `--pack DIR`, where the trained models are: writes into DIR exactly what must travel:
-     the published parameters of the teacher, the student and, when the config trains it
-     and it is published, the AR student (numpy, float32), their model configs and config
-     sections, the SentencePiece model, the test set's sources and references, a few
+     the published parameters of the teacher, the student and, when the config trains them
+     and they are published, the AR student and the drafter (numpy, float32), their model
+     configs and config sections, the SentencePiece model, the test set's sources and references, a few
      hundred training batches of the teacher's and the student's own data (numpy, int16),
      and the student's whole training set (the distilled pairs when `distill.enabled`:
      int16 ids end to end, a few MiB), in well under 60 MiB.
@@ -16,10 +16,11 @@ pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
 
   2. `--run DIR` on the accelerator (or on the CPU, to compare): restores the packed models
      on JAX's default device and prints
-       * the decode rows (AR greedy, AR beam 4, PaDIR-1, PaDIR-4, Mask-Predict-10, draft and
-         verify; the AR student's greedy and beam 4 when it is packed; CTranslate2's greedy
-         and beam 4 of each AR model, on CUDA where JAX runs on a GPU, when `import
-         ctranslate2` works there): batch 1 over the first `--latency-sentences` sentences,
+       * the decode rows (AR greedy, AR beam 4, PaDIR-1, PaDIR-4, Mask-Predict-10; the AR
+         student's greedy and beam 4 when it is packed; draft and verify, exact and
+         tolerant, when the drafter is packed; CTranslate2's greedy and beam 4 of each
+         AR model, on CUDA where JAX runs on a GPU, when `import ctranslate2` works
+         there): batch 1 over the first `--latency-sentences` sentences,
          interleaved as benchmarks/decode_speed.py does; batch `--batch-size` over all of
          them, length-sorted as the decode stage batches; medians, p99, BLEU, chrF
          (components/report.py renders them);
@@ -70,11 +71,14 @@ METHODS = (
     DecodeMethod("padir_1", "refine", iterations=1),
     PADIR_4,
     DecodeMethod("mask_predict_10", "mask_predict", iterations=10),
-    # The student drafts, the teacher verifies: the teacher's greedy output in fewer
-    # sequential calls, which is what sets the latency on an accelerator at batch 1.
-    DecodeMethod("draft_verify", "draft_verify", iterations=1),
     DecodeMethod("ar_student_greedy", "ar_greedy", model="ar_student"),
     DecodeMethod("ar_student_beam4", "ar_beam", beam_size=4, model="ar_student"),
+    # The drafter drafts a block, the teacher verifies it over its cache: the teacher's
+    # greedy output in fewer sequential calls, which set the latency on an accelerator at
+    # batch 1; and the tolerant variant (top 3 within 1 nat).
+    DecodeMethod("draft_verify", "draft_verify", iterations=1),
+    DecodeMethod("draft_verify_tolerant", "draft_verify", iterations=1, tolerance_top_k=3,
+                 tolerance_margin=1.0),
 )
 CTRANSLATE2_METHODS = (
     DecodeMethod("ct2_greedy", "ct2_greedy"),
@@ -82,10 +86,11 @@ CTRANSLATE2_METHODS = (
     DecodeMethod("ct2_ar_student_greedy", "ct2_greedy", model="ar_student"),
     DecodeMethod("ct2_ar_student_beam4", "ct2_beam", beam_size=4, model="ar_student"),
 )
-STAGES = ("teacher", "student")  # always packed; the AR student when published
+STAGES = ("teacher", "student")  # always packed
+OPTIONAL_STAGES = ("ar_student", "drafter")  # packed when the config trains them, published
 PROBED = ("teacher", "student")  # the stages whose training batches travel for the probe
 SECTIONS = {"teacher": config_lib.TeacherConfig, "student": config_lib.StudentConfig,
-            "ar_student": config_lib.ARStudentConfig}
+            "ar_student": config_lib.ARStudentConfig, "drafter": config_lib.DrafterConfig}
 MODELS, TEST, SPM = "models.json", "test.jsonl", "spm.model"
 STUDENT_DATA = "student_data.npz"
 PACK_LIMIT_BYTES = 60 * 2**20
@@ -175,12 +180,12 @@ def unpack_pairs(flat: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     return list(zip(*sides))
 
 
-def _ar_student_published(config: config_lib.Config) -> bool:
-    """The AR student travels when the config trains it and its artifact is published."""
+def _published(config: config_lib.Config, stage: str) -> bool:
+    """An optional stage travels when the config trains it and its artifact is published."""
     from components import artifacts, dag
 
-    return ("ar_student" in dag.active_stages(config)
-            and artifacts.is_complete(dag.output_uri(config, "ar_student")))
+    return (stage in dag.active_stages(config)
+            and artifacts.is_complete(dag.output_uri(config, stage)))
 
 
 def pack(directory: str, config: config_lib.Config, *, train_batches: int,
@@ -194,7 +199,7 @@ def pack(directory: str, config: config_lib.Config, *, train_batches: int,
     from model import input_pipeline, trained_model, translator
 
     os.makedirs(directory, exist_ok=True)
-    stages = STAGES + (("ar_student",) if _ar_student_published(config) else ())
+    stages = STAGES + tuple(stage for stage in OPTIONAL_STAGES if _published(config, stage))
     about: dict[str, Any] = {"seed": config.seed, "boundaries": None, "stages": list(stages),
                              "target_lang": config.data.target_lang,
                              "mesh": config_lib.to_dict(config.mesh)}
@@ -251,7 +256,7 @@ def load_pack(directory: str) -> tuple[dict, dict[str, Any]]:
 
     from components.tokenizer import Tokenizer
     from model import trained_model
-    from model.models import ARModel, PaDIRModel
+    from model.models import ARModel, DrafterModel, PaDIRModel
 
     with open(os.path.join(directory, MODELS)) as f:
         about = json.load(f)
@@ -260,8 +265,12 @@ def load_pack(directory: str) -> tuple[dict, dict[str, Any]]:
     loaded = {}
     for stage in about["stages"]:
         config = config_lib.from_dict(config_lib.ModelConfig, about[stage]["model"], stage)
-        model = (PaDIRModel(config, tokenizer.vocab_size, tokenizer.first_real_id)
-                 if stage == "student" else ARModel(config, tokenizer.vocab_size))
+        if stage == "student":
+            model = PaDIRModel(config, tokenizer.vocab_size, tokenizer.first_real_id)
+        elif stage == "drafter":
+            model = DrafterModel(config, tokenizer.vocab_size, about[stage]["section"]["block"])
+        else:
+            model = ARModel(config, tokenizer.vocab_size)
         with np.load(os.path.join(directory, _params_file(stage))) as flat:
             params = jax.device_put(_unflatten({name: flat[name] for name in flat.files}))
         loaded[stage] = trained_model.LoadedModel(

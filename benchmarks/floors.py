@@ -8,7 +8,9 @@ The floor of one sentence's decoding at batch 1 is what any decoder of that meth
   pass's (or step's) argmax feeding the next and nothing else: PaDIR-k, k passes over the
   length it chose (no width rounding, no acceptance, scores or convergence test); AR
   greedy, one cached decoder step per token it emitted, into as many cache slots (no cap,
-  no stopping flags).
+  no stopping flags); draft and verify, both encoders, then per round one drafter pass over
+  the prefix and its block and one teacher pass over the block and one more position over
+  its cache (no acceptance: each round's prefix is where a fully accepted one would end).
 
 A method at its floor spends its time in its network; `decode_speed --floor` prints each
 method beside it, encoder and search apart, so that the loop around the network has a figure.
@@ -16,6 +18,8 @@ method beside it, encoder and search apart, so that the loop around the network 
     floors = Floors(loaded.model, loaded.params)
     floor = floors.padir(source_ids, source_width=16, length=18, passes=4)  # Floor
     floor = floors.greedy(source_ids, source_width=16, steps=17)
+    floor = floors.draft_verify(source_ids, source_width=16, width=32, rounds=5)  # Floors
+                                                      # of the (drafter, teacher) pair
 
 The passes and steps read the encoder's output at the method's source bucket
 (`source_width`), as the method does. Every call is compiled once per shape (source
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from components.tokenizer import BOS_ID, MASK_ID, PAD_ID
+from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from model.models import masked_hypothesis
 from model.transformer import argmax_last
 
@@ -83,9 +87,40 @@ def greedy_steps(model: Any, params: Any, encoded: Any, memory_mask: jax.Array,
     return jax.lax.fori_loop(0, steps, body, (start, cache))[0]
 
 
+def draft_verify_rounds(models: tuple[Any, Any], params: tuple[Any, Any], encoded: Any,
+                        rounds: jax.Array, *, width: int) -> jax.Array:
+    """`rounds` plain draft-and-verify rounds: a drafter pass over a prefix and its block of
+    K, then the teacher over the block and one more position (K + 1) over its cache, the
+    prefix growing by K + 1 a round (to the width). Returns the last round's ids
+    int32[B, K + 1]."""
+    (drafter, teacher), (drafter_params, teacher_params) = models, params
+    (draft_encoded, draft_mask, _), (teacher_encoded, teacher_mask, _) = encoded
+    rows, block = draft_mask.shape[0], drafter.block
+    cache = teacher.init_block_cache(teacher_params, teacher_encoded, teacher_mask,
+                                     width + block + 1)
+
+    def body(i, carry):
+        tokens, cache, _ = carry
+        length = jnp.full((rows,), jnp.minimum(i * (block + 1), width - 1), jnp.int32)
+        draft = drafter.draft(drafter_params, draft_encoded, draft_mask, tokens[:, :width],
+                              length)
+        inputs = jnp.concatenate([jnp.full((rows, 1), BOS_ID, jnp.int32), draft], axis=1)
+        logits, cache = teacher.block_logits(teacher_params, teacher_encoded, teacher_mask,
+                                             inputs, length, cache)
+        ids = argmax_last(logits)  # [B, K + 1]
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, ids[:, :block], length[0], axis=1)
+        return tokens, cache, ids
+
+    tokens = jnp.full((rows, width + block + 1), EOS_ID, jnp.int32)
+    ids = jnp.zeros((rows, block + 1), jnp.int32)
+    return jax.lax.fori_loop(0, rounds, body, (tokens, cache, ids))[2]
+
+
 def _encode(model: Any, params: Any, source: jax.Array) -> tuple[Any, jax.Array, Any]:
     """The encoder, and a PaDIR model's length head on its output: (encoded, memory_mask,
-    length logits or None)."""
+    length logits or None); of a (drafter, teacher) pair, both encoders."""
+    if isinstance(model, tuple):
+        return tuple(_encode(m, p, source) for m, p in zip(model, params))
     encoded, memory_mask = model.encode(params, source)
     lengths = model.length_logits(params, encoded) if hasattr(model, "length_logits") else None
     return encoded, memory_mask, lengths
@@ -98,7 +133,8 @@ def _timed(fn, *args) -> tuple[Any, float]:
 
 
 class Floors:
-    """The floor calls of one model (an `ARModel` for `greedy`, a `PaDIRModel` for `padir`).
+    """The floor calls of one model (an `ARModel` for `greedy`, a `PaDIRModel` for `padir`),
+    or of a (drafter, teacher) pair and their params for `draft_verify`.
 
     Each call is run once untimed per shape it has not met (it compiles), then timed."""
 
@@ -107,6 +143,8 @@ class Floors:
         self._encode = jax.jit(functools.partial(_encode, model))
         self._padir = jax.jit(functools.partial(padir_passes, model), static_argnames="length")
         self._greedy = jax.jit(functools.partial(greedy_steps, model), static_argnames="slots")
+        self._draft_verify = jax.jit(functools.partial(draft_verify_rounds, model),
+                                     static_argnames="width")
         self._warm: set[tuple] = set()
 
     def _call(self, key: tuple, fn, *args) -> tuple[Any, float]:
@@ -142,4 +180,14 @@ class Floors:
         fn = functools.partial(self._greedy, slots=steps)
         _, search_seconds = self._call(("greedy", source_width, steps), fn, self.params,
                                        encoded, memory_mask, jnp.int32(steps))
+        return Floor(encode_seconds, search_seconds)
+
+    def draft_verify(self, source_ids: Sequence[int], *, source_width: int, width: int,
+                     rounds: int) -> Floor:
+        """Draft and verify's floor: both encoders, then `rounds` plain rounds into the
+        method's width (`draft_verify_rounds`)."""
+        encoded, encode_seconds = self._encoded(source_ids, source_width)
+        fn = functools.partial(self._draft_verify, width=width)
+        _, search_seconds = self._call(("draft_verify", source_width, width), fn, self.params,
+                                       encoded, jnp.int32(rounds))
         return Floor(encode_seconds, search_seconds)

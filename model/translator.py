@@ -300,6 +300,7 @@ class Translator:
         elif rescorer is not None:
             raise ValueError(f"method {method.name!r} ({method.kind}) takes no rescorer")
         self.loaded = loaded
+        self.rescorer = rescorer
         self.method = method
         self.batch_size = batch_size
         self.boundaries = tuple(boundaries or loaded.boundaries)

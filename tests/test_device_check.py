@@ -42,7 +42,7 @@ def pack(tiny_workdir, tmp_path_factory):
     config = tiny_config(tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]",
                          "encode.num_shards=2")
     ensure(config, "prepare", "vocab", "encode")
-    for stage in ("teacher", "student", "ar_student"):  # the config decodes the AR student
+    for stage in ("teacher", "student", "ar_student", "drafter"):  # the config decodes both
         publish_untrained(config, stage)
     directory = str(tmp_path_factory.mktemp("pack"))
     sizes = device_check.pack(directory, config, train_batches=2, max_sentences=6)
@@ -52,16 +52,18 @@ def pack(tiny_workdir, tmp_path_factory):
 def test_pack_holds_params_vocabulary_test_set_and_batches_under_the_limit(pack):
     directory, sizes, _ = pack
     assert set(sizes) == {"models.json", "spm.model", "test.jsonl", "teacher_params.npz",
-                          "student_params.npz", "ar_student_params.npz", "teacher_batches.npz",
+                          "student_params.npz", "ar_student_params.npz",
+                          "drafter_params.npz", "teacher_batches.npz",
                           "student_batches.npz", "student_data.npz"}
     assert sum(sizes.values()) < device_check.PACK_LIMIT_BYTES
     with open(os.path.join(directory, "test.jsonl")) as f:
         pairs = [json.loads(line) for line in f]
     assert len(pairs) == 6 and {"id", "source", "target", "split"} <= set(pairs[0])
     about, loaded = device_check.load_pack(directory)
-    assert set(loaded) == {"teacher", "student", "ar_student"}
+    assert set(loaded) == {"teacher", "student", "ar_student", "drafter"}
     assert loaded["teacher"].model.config.d_model == 32
     assert loaded["ar_student"].model.config.num_decoder_layers == 1
+    assert loaded["drafter"].model.block == device_check.packed_section(about, "drafter").block
     assert device_check.packed_section(about, "student").num_passes == 2
     with np.load(os.path.join(directory, "student_batches.npz")) as batches:
         assert len(batches.files) == 4 and batches["target_0000"].dtype == np.int16
@@ -198,7 +200,7 @@ def test_run_measures_every_row_and_probe_without_tensorflow_beam_or_prefect(pac
     rows = device_check.METHODS + (device_check.CTRANSLATE2_METHODS
                                    if importlib.util.find_spec("ctranslate2") else ())
     assert [m["method"] for m in entry["methods"]] == [m.name for m in rows]
-    assert "ar_student_beam4" in [m["method"] for m in entry["methods"]]
+    assert {"ar_student_beam4", "draft_verify_tolerant"} <= {m["method"] for m in entry["methods"]}
     for method in entry["methods"]:
         assert method["sentences"] == 6 and method["latency_s"]["count"] == 3
         assert method["latency_s"]["p99"] > 0 and method["throughput"]["batch_size"] == 4
