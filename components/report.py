@@ -92,7 +92,7 @@ def describe_setting(method: DecodeMethod) -> str:
         elif option == "length_penalty":
             words.append(f"length penalty {value:g}")
         elif option == "iterations":
-            words.append(f"{value} student pass{'' if value == 1 else 'es'} a draft"
+            words.append(f"{value} drafter pass{'' if value == 1 else 'es'} a draft"
                          if method.kind == "draft_verify" else f"iterations {value}")
         elif option == "num_length_candidates":
             offsets = ", ".join(str(offset) for offset in method.length_offsets)
@@ -405,17 +405,17 @@ def _ratio(method: Mapping[str, Any], other: Mapping[str, Any], stat: str) -> fl
 
 
 def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
-    """Per method of the student (every PaDIR decoding, draft and verify included) and per
-    regime: its speed against the fastest AR row of that regime, whichever model and engine
-    that is (the teacher or the AR student, our search or CTranslate2), with the BLEU of
-    both; and the regimes where it is on the BLEU/speed frontier."""
+    """Per method of the student (every PaDIR decoding) or the drafter (draft and verify)
+    and per regime: its speed against the fastest AR row of that regime, whichever model
+    and engine that is (the teacher or the AR student, our search or CTranslate2), with the
+    BLEU of both; and the regimes where it is on the BLEU/speed frontier."""
     methods = entry["methods"]
     ar = [m for m in methods if m["kind"] in BASELINE_KINDS]
     frontier = {stat: dict(zip((m["method"] for m in methods), on_frontier(methods, stat)))
                 for stat, _ in REGIMES}
     lines = []
     for m in methods:
-        if DECODING_KINDS[m["kind"]].stage != "student" or not ar:
+        if DECODING_KINDS[m["kind"]].stage not in ("student", "drafter") or not ar:
             continue
         bleu = m["bleu"]["score"]
         parts = []
@@ -429,9 +429,10 @@ def _verdict_lines(entry: Mapping[str, Any]) -> list[str]:
                      f"BLEU/speed frontier: {', '.join(best) if best else 'in no regime'}.")
     if not lines:
         return []
-    return ["", "Where PaDIR wins and where it does not: each method of the student against "
-                "the fastest AR row of each regime (> 1x: faster), and the regimes where no "
-                "other row is both as fast and as good:", ""] + lines
+    return ["", "Where PaDIR wins and where it does not: each method of the student (and "
+                "draft and verify) against the fastest AR row of each regime (> 1x: "
+                "faster), and the regimes where no other row is both as fast and as good:",
+            ""] + lines
 
 
 def _draft_lines(methods: Sequence[Mapping[str, Any]]) -> list[str]:

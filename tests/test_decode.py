@@ -60,7 +60,7 @@ def config(tiny_workdir):
         # One bucket: one compiled shape per method and pass keeps the stage test quick.
         "encode.bucket_boundaries=[64]")
     ensure(config, "prepare", "vocab")
-    for stage in ("teacher", "student"):
+    for stage in ("teacher", "student", "drafter"):
         publish_untrained(config, stage)
     return config
 
@@ -105,7 +105,8 @@ def test_every_decoding_kind_has_one_search_options_it_may_read_and_a_flag():
     fields = {field.name for field in config_lib.decode_options()}
     flags = cli.build_parser().parse_args(["translate", "--checkpoint", "c"])
     for kind, decoder in config_lib.DECODING_KINDS.items():
-        assert decoder.stage in ("teacher", "student") and set(decoder.options) <= fields, kind
+        assert decoder.stage in ("teacher", "student", "drafter") and \
+            set(decoder.options) <= fields, kind
     assert {name for name in vars(flags) if name in fields} == fields  # one flag per option
     assert cli.build_parser().parse_args(
         ["translate", "--checkpoint", "c", "--length-offsets=-1,0,1",
@@ -190,11 +191,11 @@ def test_a_rescored_translator_decodes_with_the_teacher_it_is_given(config):
 
 
 def test_draft_and_verify_translates_as_the_teachers_greedy_search(config):
-    student = trained_model.load_cached(_uri(config, "student"))
+    drafter = trained_model.load_cached(_uri(config, "drafter"))
     teacher = trained_model.load_cached(_uri(config, "teacher"))
     sentences = _sentences(config, 3, range(2, 9)) + _sentences(config, 1, range(17, 33))
     verified = translator.Translator(
-        student, DecodeMethod("dv", "draft_verify", iterations=1), batch_size=2,
+        drafter, DecodeMethod("dv", "draft_verify", iterations=1), batch_size=2,
         boundaries=BUCKETS, rescorer=teacher).translate(sentences)
     greedy = translator.Translator(teacher, DecodeMethod("g", "ar_greedy"), batch_size=2,
                                    boundaries=BUCKETS).translate(sentences)
@@ -287,7 +288,7 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
     assert counts["read.test2016"] == MAX_SENTENCES
     assert decoded.manifest["metrics"]["test_sets"] == ["test2016"]
     assert decoded.manifest["metrics"]["latency_sentences"] == {"test2016": LATENCY_SENTENCES}
-    assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "student"}
+    assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "student", "drafter"}
     for method in METHODS:
         for folder, name, expected in ((decode.HYPOTHESES, "batched", ids[:MAX_SENTENCES]),
                                        (decode.LATENCY, "latency", ids[:LATENCY_SENTENCES])):
@@ -415,7 +416,7 @@ def test_score_reports_every_method_as_sacrebleu_scores_it(config, decoded):
         assert method["latency_s"]["count"] == LATENCY_SENTENCES
         assert set(method["speedup"]) == {"vs_greedy", "vs_beam2", "vs_ct2", "vs_ct2_beam2"}
         assert method["speedup"]["vs_greedy"]["median"] > 0
-    assert list(content["training"]) == ["student", "teacher"]  # the models decoded
+    assert list(content["training"]) == ["drafter", "student", "teacher"]  # the models decoded
     for stage, about in content["training"].items():
         manifest = artifacts.read(_uri(config, stage)).manifest
         assert about["steps"] == manifest["counts"].get("steps")
