@@ -662,6 +662,17 @@ def main(argv=None) -> int:
     print_breakdown(translations)
     if floor_times:
         print_floors(translations, floor_times)
+    for name in floor_names:
+        if known[name].kind == "draft_verify":
+            first = translations[name][0]
+            widest = latency[name].boundaries[-1]
+            ids = latency[name].loaded.tokenizer.encode([pairs[0]["source"]])[0][:widest - 1]
+            source_width, _ = records_lib.decoder_shape(len(ids) + 1, latency[name].boundaries)
+            verify, step = floors[name].verify_against_step(
+                ids + [EOS_ID], source_width=source_width, width=first.width)
+            print(f"{name}: the teacher over a block of {latency[name].loaded.model.block + 1} "
+                  f"positions over its cache {1e3 * verify:.3f} ms, one cached step "
+                  f"{1e3 * step:.3f} ms: {verify / step:.2f}x")
     if args.pass_profile:
         print_pass_profiles(pairs, known, latency, translations, args.focus, args.profile_calls)
     if args.json:

@@ -191,3 +191,26 @@ class Floors:
         _, search_seconds = self._call(("draft_verify", source_width, width), fn, self.params,
                                        encoded, jnp.int32(rounds))
         return Floor(encode_seconds, search_seconds)
+
+    def verify_against_step(self, source_ids: Sequence[int], *, source_width: int,
+                            width: int, repeats: int = 30) -> tuple[float, float]:
+        """Of a (drafter, teacher) pair: the teacher's pass over a block of K + 1 positions
+        over its cache, and one cached greedy step, medians of `repeats` calls at batch 1
+        (seconds): a round's verification against the step it replaces."""
+        (_, teacher), (_, params) = self.model, self.params
+        block = self.model[0].block
+        (_, (encoded, memory_mask, _)), _ = self._encoded(source_ids, source_width)
+        cache = teacher.init_block_cache(params, encoded, memory_mask, width + block + 1)
+        inputs = jnp.full((1, block + 1), BOS_ID, jnp.int32)
+        start = jnp.full((1,), width // 2, jnp.int32)
+        verify = jax.jit(teacher.block_logits)
+        step_cache = teacher.init_cache(params, encoded, memory_mask, width)
+        step = jax.jit(lambda p, ids, c: teacher.make_tokens_to_logits(p, encoded, memory_mask)(
+            ids, c))
+
+        def median(fn, *args) -> float:
+            jax.block_until_ready(fn(*args))
+            return float(np.median([_timed(fn, *args)[1] for _ in range(repeats)]))
+
+        return (median(verify, params, encoded, memory_mask, inputs, start, cache),
+                median(step, params, inputs[:, :1], step_cache))

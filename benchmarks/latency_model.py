@@ -6,10 +6,15 @@ figures, as a projection.
     python -m benchmarks.latency_model --crossover crossover.json [--json model.json]
 
 Counted, per shape of the crossover run (its random models, batch 1, its length L), from
-XLA's cost analysis of three programs: the encoder call, one cached AR step, one PaDIR
-pass over L positions: FLOPs, bytes accessed, and operations (the instructions of the
-compiled program outside fusions: each is a kernel the runtime dispatches). A sentence is
-AR greedy = encoder + L steps, PaDIR-k = encoder + k passes.
+XLA's cost analysis of five programs: the encoder call, one cached AR step, one PaDIR
+pass over L positions, one block drafter pass (the shape's encoder, one decoder layer,
+`DRAFT_BLOCK` tokens after a prefix, over L positions) and one teacher pass over a block
+of `DRAFT_BLOCK` + 1 positions over its cache: FLOPs, bytes accessed, and operations (the
+instructions of the compiled program outside fusions: each is a kernel the runtime
+dispatches). A sentence is AR greedy = encoder + L steps, PaDIR-k = encoder + k passes,
+draft and verify = both encoders + L / t rounds of a drafter pass and a teacher block, at
+t output tokens a round (`--tokens-per-round`: what a drafter reaches on dev,
+benchmarks/drafter_study.py, and the issue's goal of 6).
 
 The model of one call: max(FLOPs / matmul rate, bytes / bandwidth) + operations x the cost
 of one operation. Measured here, per model: the matmul rate of a chain of MLP matmuls over
@@ -39,9 +44,10 @@ import jax.numpy as jnp
 
 from benchmarks import crossover
 from components.tokenizer import NUM_RESERVED
-from model.models import ARModel, PaDIRModel, masked_hypothesis
+from model.models import ARModel, DrafterModel, PaDIRModel, masked_hypothesis
 
 BF16_BYTES = 0.5  # bytes read by a bfloat16 program relative to float32
+DRAFT_BLOCK = 8  # the configs' drafter.block
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
@@ -131,11 +137,28 @@ def shape_work(shape: crossover.Shape, length: int) -> dict[str, Any]:
         e, m = padir.encode(p, s)
         return e, m, padir.length_logits(p, e)
 
+    drafter = DrafterModel(shape.config(length, decoder_layers=1), shape.vocab, DRAFT_BLOCK)
+    drafter_params = crossover.random_params(drafter, length, 0)
+    d_encoded, d_mask = jax.jit(drafter.encode)(drafter_params, source)
+    prefix = jnp.full((1,), length // 2, jnp.int32)  # the shapes do not depend on it
+    block_cache = ar.init_block_cache(ar_params, encoded, memory_mask, length + DRAFT_BLOCK + 1)
+    block = jnp.ones((1, DRAFT_BLOCK + 1), jnp.int32)
+
+    def draft(p, e, m, tokens, prefix):
+        return drafter.draft(p, e, m, tokens, prefix)
+
+    def verify(p, e, m, block, prefix, cache):
+        return ar.block_logits(p, e, m, block, prefix, cache)
+
     nbytes = sum(x.nbytes for x in jax.tree.leaves(ar_params))
     return {"encode_ar": work(ar.encode, ar_params, source),
             "step": work(step, ar_params, encoded, memory_mask, cache, ids),
             "encode_padir": work(padir_encode, padir_params, source),
             "pass": work(one_pass, padir_params, p_encoded, p_mask, hypothesis),
+            "encode_drafter": work(drafter.encode, drafter_params, source),
+            "draft": work(draft, drafter_params, d_encoded, d_mask,
+                          jnp.ones((1, length), jnp.int32), prefix),
+            "verify": work(verify, ar_params, encoded, memory_mask, block, prefix, block_cache),
             "parameter_bytes": nbytes}
 
 
@@ -183,8 +206,10 @@ def measure_rates(models: Sequence[tuple[int, float]], rows: int) -> Rates:
 
 
 def predict(counts: dict[str, Any], length: int, d_model: int, rates: Rates,
-            scale_bytes: float = 1.0) -> dict[str, float]:
-    """Seconds per sentence of each method (AR greedy; PaDIR-k) from the counts."""
+            scale_bytes: float = 1.0, tokens_per_round: Sequence[float] = ()
+            ) -> dict[str, float]:
+    """Seconds per sentence of each method (AR greedy; PaDIR-k; draft and verify at each
+    of `tokens_per_round`) from the counts."""
     working_set = counts["parameter_bytes"]
 
     def seconds(name: str) -> float:
@@ -193,12 +218,31 @@ def predict(counts: dict[str, Any], length: int, d_model: int, rates: Rates,
     out = {"AR greedy": seconds("encode_ar") + length * seconds("step")}
     for k in crossover.PADIR_PASSES:
         out[f"PaDIR-{k}"] = seconds("encode_padir") + k * seconds("pass")
+    for t in tokens_per_round:
+        out[draft_verify_name(t)] = (seconds("encode_ar") + seconds("encode_drafter")
+                                     + length / t * (seconds("draft") + seconds("verify")))
     return out
+
+
+def draft_verify_name(tokens_per_round: float) -> str:
+    return f"draft and verify, {tokens_per_round:g} tok/round"
+
+
+def _calls(method: str, length: int) -> float:
+    """Sequential decoder calls a sentence of `method`."""
+    if method == "AR greedy":
+        return length
+    if method.startswith("PaDIR-"):
+        return int(method.split("-")[1])
+    return 2 * length / float(method.split(", ")[1].split()[0])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--crossover", required=True, help="benchmarks/crossover.py's --json")
+    parser.add_argument("--tokens-per-round", default="2,6",
+                        help="draft and verify's output tokens a round to model: what a "
+                             "drafter reaches (benchmarks/drafter_study.py) and the goal")
     parser.add_argument("--json", metavar="PATH")
     return parser.parse_args(argv)
 
@@ -208,6 +252,7 @@ def main(argv=None) -> int:
     with open(args.crossover) as f:
         run = json.load(f)
     measured, length = run["rows"], run["length"]
+    per_round = [float(t) for t in args.tokens_per_round.split(",")]
     names = list(dict.fromkeys(r["shape"] for r in measured))
     shapes = {name: crossover.Shape.parse(name) for name in names}
     counts = {name: shape_work(shapes[name], length) for name in names}
@@ -224,22 +269,30 @@ def main(argv=None) -> int:
     lines = ["| shape | method | MFLOP | MB | ops | calls | predicted ms | measured floor ms "
              "| error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     projection = ["| shape | method | " + " | ".join(r.name for r in ACCELERATORS)
-                  + " | PaDIR speedup over AR greedy |", "|---|---|" + "---:|" *
+                  + " | speedup over AR greedy |", "|---|---|" + "---:|" *
                   (len(ACCELERATORS) + 1)]
     out = []
     for name in names:
         c = counts[name]
         d_model = shapes[name].d_model
-        predicted = predict(c, length, d_model, rates)
-        projected = [predict(c, length, d_model, r, BF16_BYTES) for r in ACCELERATORS]
+        predicted = predict(c, length, d_model, rates, tokens_per_round=per_round)
+        projected = [predict(c, length, d_model, r, BF16_BYTES, per_round)
+                     for r in ACCELERATORS]
         for method, seconds in predicted.items():
             floor_name = "floor AR" if method == "AR greedy" else f"floor {method}"
             real = floors.get((name, floor_name))
-            calls = length if method == "AR greedy" else int(method.split("-")[1])
-            unit = c["step"] if method == "AR greedy" else c["pass"]
+            calls = _calls(method, length)
+            if method.startswith("draft"):  # a round: a drafter pass and a teacher block
+                rounds = calls / 2
+                unit = Work(*(getattr(c["draft"], f) + getattr(c["verify"], f)
+                              for f in ("flops", "bytes", "ops")))
+            else:
+                rounds = calls
+                unit = c["step"] if method == "AR greedy" else c["pass"]
             error = None if real is None else 1e3 * seconds / real - 1
-            lines.append(f"| {name} | {method} | {calls * unit.flops / 1e6:.0f} | "
-                         f"{calls * unit.bytes / 1e6:.0f} | {calls * unit.ops} | {calls} | "
+            lines.append(f"| {name} | {method} | {rounds * unit.flops / 1e6:.0f} | "
+                         f"{rounds * unit.bytes / 1e6:.0f} | {rounds * unit.ops:.0f} | "
+                         f"{calls:.1f} | "
                          f"{1e3 * seconds:.2f} | {'-' if real is None else f'{real:.2f}'} | "
                          f"{'-' if error is None else f'{100 * error:+.0f}%'} |")
             speedup = ", ".join(f"{p['AR greedy'] / p[method]:.2f}x" for p in projected) \

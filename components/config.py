@@ -377,9 +377,6 @@ class StudentConfig:
     # Phase 2: glancing (GLAT): pass 2 sees round(ratio x pass 1's errors) gold tokens and
     # learns the rest (model/losses.py `glance`); 0 is off.
     glancing_ratio: float = 0.0
-    # Both phases: this fraction of the examples is noised as draft and verify drafts (a gold
-    # prefix of uniform length, the rest masked: model/noising.py); 0 is off.
-    draft_prefix_ratio: float = 0.0
     label_smoothing: float = 0.1  # of the token cross-entropies (not of the length loss)
     # Phase 1 starts from the teacher's parameters where paths and shapes match (embedding,
     # encoder, decoder attention and MLPs: model/warm_start.py); the rest from scratch.
@@ -392,8 +389,6 @@ class StudentConfig:
             raise ConfigError("student.label_smoothing: expected a value in [0, 1)")
         if not 0.0 <= self.glancing_ratio <= 1.0:
             raise ConfigError("student.glancing_ratio: expected a value in [0, 1]")
-        if not 0.0 <= self.draft_prefix_ratio <= 1.0:
-            raise ConfigError("student.draft_prefix_ratio: expected a value in [0, 1]")
 
 
 # Logical axis -> mesh axes, in priority order (flax `logical_to_mesh_axes` semantics: an

@@ -32,7 +32,6 @@ class LossSettings:
 
     num_passes: int = 1  # K, the unrolled decoder passes (`padir_loss`)
     glancing_ratio: float = 0.0  # GLAT at passes k > 1 (`glance`); 0 is off
-    draft_prefix_ratio: float = 0.0  # noising.noise_targets' `prefix_ratio`
 
 
 def student_loss_settings(cfg: StudentConfig, phase: int) -> LossSettings:
@@ -41,9 +40,8 @@ def student_loss_settings(cfg: StudentConfig, phase: int) -> LossSettings:
     if phase not in (1, 2):
         raise ValueError(f"the student trains in phase 1 or 2, not {phase}")
     if phase == 1:
-        return LossSettings(draft_prefix_ratio=cfg.draft_prefix_ratio)
-    return LossSettings(num_passes=cfg.num_passes, glancing_ratio=cfg.glancing_ratio,
-                        draft_prefix_ratio=cfg.draft_prefix_ratio)
+        return LossSettings()
+    return LossSettings(num_passes=cfg.num_passes, glancing_ratio=cfg.glancing_ratio)
 
 
 def cross_entropy(

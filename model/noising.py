@@ -7,9 +7,8 @@ becomes [MASK] (80%), a random real piece (10%) or stays as it is (10%). Drawing
 example exposes the model to everything from a nearly clean to a fully masked input,
 the latter being what the first refinement pass sees at inference.
 
-With `prefix_ratio` > 0, that fraction of the examples is noised instead as draft and
-verify shows the student its input (model/draft_verify.py): a gold prefix of uniform
-length kept, every token after it (EOS aside) masked.
+`draft_block` noises for the block drafter of draft and verify instead (model/models.py
+`DrafterModel`): a gold prefix, a block of [MASK]s, nothing after.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ def noise_targets(
     first_real_id: int,
     mask_prob: float = 0.8,
     random_prob: float = 0.1,
-    prefix_ratio: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Noises targets for the decoder input of the loss's first pass.
 
@@ -41,8 +39,6 @@ def noise_targets(
       random_prob: probability that a noised token becomes a random real piece; with
         probability 1 - mask_prob - random_prob it keeps its value (but is still noised,
         i.e. still carries loss weight).
-      prefix_ratio: the probability that an example gets the drafting pattern instead (a
-        prefix of k ~ U{0, ..., n - 1} of its n pieces kept, the rest [MASK]).
 
     Returns:
       noised_ids: int32[B, T], equal to `targets` outside the noised positions (pads and
@@ -65,15 +61,6 @@ def noise_targets(
         jnp.asarray(MASK_ID, targets.dtype),
         jnp.where(action < mask_prob + random_prob, pieces, targets),
     )
-    if prefix_ratio > 0:
-        # Its own keys, so that the other examples' noise is the same as without it.
-        pick_rng, cut_rng = jax.random.split(jax.random.fold_in(rng, 1))
-        drafted = jax.random.uniform(pick_rng, (batch, 1)) < prefix_ratio  # [B, 1]
-        pieces_per_row = jnp.sum(eligible, axis=1, keepdims=True)  # [B, 1]
-        cut = jnp.floor(jax.random.uniform(cut_rng, (batch, 1)) * pieces_per_row)  # [B, 1]
-        after = eligible & (jnp.arange(length)[None, :] >= cut)  # [B, T]
-        noised_mask = jnp.where(drafted, after, noised_mask)
-        replacement = jnp.where(drafted, jnp.asarray(MASK_ID, targets.dtype), replacement)
     noised_ids = jnp.where(noised_mask, replacement, targets)
     return noised_ids, noised_mask
 

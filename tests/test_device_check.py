@@ -97,8 +97,7 @@ def test_the_training_probe_times_each_phase_with_the_packed_loss_settings(pack,
 
     directory, _, _ = pack
     about, loaded = device_check.load_pack(directory)
-    about["student"]["section"].update(num_passes=3, glancing_ratio=0.5,
-                                       draft_prefix_ratio=0.25)
+    about["student"]["section"].update(num_passes=3, glancing_ratio=0.5)
     traced, ran = [], []  # the loss settings of each trace; the state's step at each run
     clock = types.SimpleNamespace(perf_counter=lambda: 0.25 * len(ran))
 

@@ -31,13 +31,22 @@ def test_a_call_is_the_larger_of_compute_and_memory_plus_its_operations():
     assert memory_bound.seconds(rates, 64, 0) == pytest.approx(3e-3)
     assert memory_bound.seconds(rates, 64, 0, scale_bytes=0.5) == pytest.approx(1.5e-3)
     counts = {"encode_ar": compute_bound, "step": memory_bound, "encode_padir": compute_bound,
-              "pass": compute_bound, "parameter_bytes": 1e6}
-    predicted = latency_model.predict(counts, 20, 64, rates)
+              "pass": compute_bound, "encode_drafter": compute_bound, "draft": compute_bound,
+              "verify": memory_bound, "parameter_bytes": 1e6}
+    predicted = latency_model.predict(counts, 20, 64, rates, tokens_per_round=(2, 5))
     assert predicted["AR greedy"] == pytest.approx(2.01e-3 + 20 * 3e-3)
     assert predicted["PaDIR-4"] == pytest.approx(5 * 2.01e-3)
+    # Both encoders, then 20 / t rounds of a drafter pass and a teacher block.
+    assert predicted["draft and verify, 5 tok/round"] == pytest.approx(
+        2 * 2.01e-3 + 4 * (2.01e-3 + 3e-3))
+    assert predicted["draft and verify, 2 tok/round"] == pytest.approx(
+        2 * 2.01e-3 + 10 * (2.01e-3 + 3e-3))
 
 
 def test_shape_work_counts_a_pass_over_every_position_and_a_step_over_one():
     counts = latency_model.shape_work(crossover.Shape(32, 1, 300), length=6)
     assert counts["pass"].flops > 3 * counts["step"].flops  # six positions against one
     assert counts["parameter_bytes"] > 0 and counts["step"].ops > 0
+    # The teacher over a block of DRAFT_BLOCK + 1 positions does more than a step.
+    assert counts["verify"].flops > 2 * counts["step"].flops
+    assert counts["draft"].flops > 0 and counts["encode_drafter"].flops > 0

@@ -267,10 +267,10 @@ def test_the_real_model_glances_under_jit_and_is_unchanged_without_it():
 
 
 def test_the_students_phases_share_the_noise_and_phase_two_unrolls():
-    cfg = StudentConfig(num_passes=3, glancing_ratio=0.5, draft_prefix_ratio=0.25)
-    assert losses.student_loss_settings(cfg, 1) == losses.LossSettings(draft_prefix_ratio=0.25)
+    cfg = StudentConfig(num_passes=3, glancing_ratio=0.5)
+    assert losses.student_loss_settings(cfg, 1) == losses.LossSettings()
     assert losses.student_loss_settings(cfg, 2) == losses.LossSettings(
-        num_passes=3, glancing_ratio=0.5, draft_prefix_ratio=0.25)
+        num_passes=3, glancing_ratio=0.5)
     # A static argument of jit: equal settings hash alike, so they share a compiled step.
     assert len({losses.student_loss_settings(cfg, 2), losses.student_loss_settings(cfg, 2)}) == 1
     with pytest.raises(ValueError, match="phase 1 or 2"):

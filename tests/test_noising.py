@@ -82,30 +82,6 @@ def test_random_pieces_only_from_real_range():
     assert pieces.min() < FIRST_REAL + 20 and pieces.max() > VOCAB - 20
 
 
-def test_prefix_ratio_gives_drafting_inputs_a_gold_prefix_and_the_rest_masked():
-    targets = _targets(4096, 24)
-    ids, mask = map(np.asarray, _noise(2, targets, prefix_ratio=0.5))
-    plain_ids, plain_mask = map(np.asarray, _noise(2, targets))
-    targets = np.asarray(targets)
-    eligible = (targets != EOS_ID) & (targets != PAD_ID)
-    # A drafting row: noised exactly from a cut to its EOS, every noised token [MASK].
-    cut = np.where(mask.any(1), mask.argmax(1), eligible.sum(1))
-    suffix = eligible & (np.arange(targets.shape[1])[None, :] >= cut[:, None])
-    drafting = (mask == suffix).all(1) & np.array([(row_ids[row_mask] == MASK_ID).all()
-                          for row_ids, row_mask in zip(ids, mask)])
-    # Unchanged rows keep exactly the noise they had without the option.
-    unchanged = (mask == plain_mask).all(1) & (ids == plain_ids).all(1)
-    assert (drafting | unchanged).all()
-    long_rows = eligible.sum(1) >= 12  # where a random noise is unlikely to look drafted
-    share = (drafting & ~unchanged)[long_rows].mean()
-    assert abs(share - 0.5) < 0.05
-    # The cut is uniform over the pieces: the kept prefix covers about half of them.
-    rows = drafting & ~unchanged & long_rows
-    kept = (cut[rows] / eligible.sum(1)[rows]).mean()
-    assert abs(kept - 0.5) < 0.05
-    np.testing.assert_array_equal(np.where(mask, targets, ids), targets)  # prefix is gold
-
-
 def test_draft_block_keeps_a_gold_prefix_then_a_masked_block_and_nothing_after():
     targets = _targets(4096, 24)
     hypothesis, start = map(np.asarray, noising.draft_block(jax.random.key(3), targets, 4))

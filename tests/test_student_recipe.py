@@ -30,8 +30,7 @@ def test_the_probe_times_the_training_step_with_the_configs_loss_settings_and_av
     # initialises in a second.
     config = config_lib.load("configs/multi30k_en_de.yaml", [
         "student.model={d_model: 32, num_heads: 2, num_encoder_layers: 1, "
-        "num_decoder_layers: 1, mlp_dim: 64}", "student.num_passes=3",
-        "student.draft_prefix_ratio=0.25"])
+        "num_decoder_layers: 1, mlp_dim: 64}", "student.num_passes=3"])
     assert config.student.glancing_ratio > 0
     compiled, ran = [], []  # (loss settings, average) of each compilation; (its index, step)
     clock = types.SimpleNamespace(perf_counter=lambda: 0.25 * len(ran))

@@ -14,7 +14,7 @@ CONFIG = "configs/multi30k_en_de.yaml"  # the student glances
 TINY = "{d_model: 32, num_heads: 2, num_encoder_layers: 1, num_decoder_layers: 1, mlp_dim: 64}"
 # Every other loss setting away from its default, and models laid out in a second.
 OVERRIDES = [f"teacher.model={TINY}", f"student.model={TINY}", "vocab.size=400",
-             "student.num_passes=3", "student.draft_prefix_ratio=0.25"]
+             "student.num_passes=3"]
 
 
 def test_each_phase_times_the_training_step_with_the_configs_loss_settings(monkeypatch,
