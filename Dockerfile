@@ -21,7 +21,7 @@ RUN pip install --no-cache-dir --constraint constraints.txt . \
     && python -c "import apache_beam, jax, tensorflow_text; \
 assert apache_beam.__version__ == '2.77.0', apache_beam.__version__; \
 import pipelines.prepare, pipelines.vocab, pipelines.encode, pipelines.distill, \
-pipelines.decode, model.translator"
+pipelines.decode, model.decoding.translator"
 # Workers run as an unprivileged user: the code and site-packages stay root-owned and
 # read-only to it. Beam's boot script only writes under /tmp (its semi-persistent directory)
 # and HOME; nothing is installed at start-up, since the SDK and every dependency are in the

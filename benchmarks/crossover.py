@@ -15,12 +15,12 @@ minimum and maximum decoding length, PaDIR is given the length.
 Rows per shape, at batch 1 (median and p99 over `--sentences` sources, interleaved) and
 batched (`--batch-size` rows, sentences/s):
 * `floor AR` and `floor PaDIR-k` (benchmarks/floors.py): the plain network work;
-* `JAX greedy`: `ARModel.greedy`, as the Translator runs it (encoder call, then the search);
+* `JAX greedy`: `beam_search.greedy`, as the Translator runs it (encoder call, then the search);
 * `JAX PaDIR-k` for k in 1, 2, 4: `refinement.refine` on the given length (its early stop
   included: `passes` says how many it ran);
 * `CT2 greedy` in float32 and int8, of the teacher's shape and of the AR student's (the
-  same encoder, one decoder layer), exported with model/ctranslate2_export.py and run in a
-  process of its own (model/ctranslate2_worker.py; on CUDA where JAX runs on a GPU) at
+  same encoder, one decoder layer), exported with model/decoding/ctranslate2_export.py and run in a
+  process of its own (model/decoding/ctranslate2_worker.py; on CUDA where JAX runs on a GPU) at
   the thread setting that its sweep's grid finds fastest for the regime on this shape.
 
 The plot draws each PaDIR row's speedup over the fastest AR row of its shape and regime;
@@ -46,7 +46,8 @@ import numpy as np
 from benchmarks import floors as floors_lib
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, NUM_RESERVED, RESERVED_PIECES
-from model import ctranslate2_export, ctranslate2_search, ctranslate2_sweep, refinement
+from model.decoding import (beam_search, ctranslate2_export, ctranslate2_search,
+                            ctranslate2_sweep, refinement)
 from model.models import ARModel, PaDIRModel
 from model.transformer import NON_TARGET_IDS
 
@@ -166,7 +167,7 @@ class JaxMethods:
         self.ar_floors = floors_lib.Floors(self.ar, self.ar_params)
         self.padir_floors = floors_lib.Floors(self.padir, self.padir_params)
         self._ar_encode = jax.jit(self.ar.encode)
-        self._greedy = jax.jit(lambda p, e, m: self.ar.greedy(p, e, m, length))
+        self._greedy = jax.jit(lambda p, e, m: beam_search.greedy(self.ar, p, e, m, length))
         self._padir_encode = jax.jit(self.padir.encode)
         self._refine = {k: jax.jit(_refiner(self.padir, length, k)) for k in PADIR_PASSES}
 

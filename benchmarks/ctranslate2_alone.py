@@ -1,8 +1,8 @@
 """CTranslate2 alone against CTranslate2 in the decode stage: same model, sentences, threads.
 
 The decode stage times CTranslate2 in a worker process that never imports JAX, at the
-threads its sweep chose for each pass (model/ctranslate2_search.py,
-model/ctranslate2_sweep.py). This script checks that nothing of the stage's process costs
+threads its sweep chose for each pass (model/decoding/ctranslate2_search.py,
+model/decoding/ctranslate2_sweep.py). This script checks that nothing of the stage's process costs
 it time. For each CTranslate2 method of the config's decode artifact, it takes the stage's
 batch-1 pass (its latency sample: the same sentences one at a time, with the same output
 caps, search options and threads) and times it, in `--rounds` alternating rounds so that
@@ -12,7 +12,7 @@ a change in the machine's load touches both alike:
                and nothing else (no JAX, no Beam): each round one untimed pass over the
                sample, then one timed;
   translator   the decode stage's path without Beam, in this process, where JAX holds the
-               model (model/translator.py's Translator and its CTranslate2 worker).
+               model (model/decoding/translator.py's Translator and its CTranslate2 worker).
 
 Each sentence's figure is the median of its rounds. It prints the stage's median (from the
 decode artifact, measured when the stage ran) and the translator's beside the one alone,
@@ -59,7 +59,8 @@ def time_alone(job: dict) -> dict:
     once untimed, then times each once. Returns {"seconds": per request; "modules": the
     runtimes this process imported besides CTranslate2 (none, or the figure is not
     alone)}."""
-    from model import ctranslate2_worker  # the worker's environment; imports nothing else
+    # The worker's environment; it imports nothing else.
+    from model.decoding import ctranslate2_worker
 
     for name, value in ctranslate2_worker.ENVIRONMENT.items():
         os.environ.setdefault(name, value)
@@ -95,7 +96,8 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
 
     from components import corpus, dag, records
     from components.tokenizer import EOS_ID
-    from model import ctranslate2_search, trained_model, translator
+    from model import trained_model
+    from model.decoding import ctranslate2_search, translator
     from pipelines import decode
 
     decoded = dag.require_input(config, "decode")

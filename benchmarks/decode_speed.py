@@ -13,7 +13,7 @@ and one AR greedy step part by part (`pass_profile`, `ar_step_profile`): the net
 into attention, MLP and the output projection), the reading of the logits, acceptance and
 loop bookkeeping, on the sentence of the median output width.
 
-Measurement: model/translator.py's Translator (jitted, static shapes; every shape is run
+Measurement: model/decoding/translator.py's Translator (jitted, static shapes; every shape is run
 once untimed before it is timed; the time is the jitted call until block_until_ready). The
 batch-1 pass is interleaved: sentence by sentence, every method decodes it in turn (the
 order rotating per sentence), so that a change in the machine's load affects all methods
@@ -54,7 +54,8 @@ from components import artifacts, corpus, dag, report
 from components import config as config_lib
 from components import records as records_lib
 from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
-from model import refinement, trained_model, translator, transformer
+from model import trained_model, transformer
+from model.decoding import beam_search, refinement, translator
 from model.models import PaDIRModel, masked_hypothesis
 from pipelines import decode
 
@@ -119,7 +120,7 @@ def print_table(entry: dict, focus: str) -> None:
 
 
 def print_breakdown(translations: dict[str, list]) -> None:
-    """Where a sentence's time goes at batch 1: medians over the sentences (model/translator.py
+    """Where a sentence's time goes at batch 1: medians over the sentences (model/decoding/translator.py
     `Translation`); host = total - encode - search."""
     header = f"{'method':18} {'total ms':>9} {'encode':>8} {'search':>8} {'host':>8} " \
              f"{'passes':>7} {'ms/pass':>8} {'width':>6}"
@@ -415,7 +416,7 @@ def _sum_or_none(values) -> Optional[float]:
 
 def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
                     repeats: int = 30) -> Profile:
-    """One AR greedy step (`ARModel.greedy` into `max_len` cache slots), part by part.
+    """One AR greedy step (`beam_search.greedy` into `max_len` cache slots), part by part.
 
     Per step, over the steps greedy runs on `source` (until every row has emitted EOS),
     each a jitted call of that many steps: the greedy call (its cache set-up included); a
@@ -427,7 +428,7 @@ def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
     """
     source = jnp.asarray(source, jnp.int32)
     encoded, memory_mask = jax.jit(model.encode)(params, source)
-    greedy = jax.jit(lambda p, e, m: model.greedy(p, e, m, max_len))
+    greedy = jax.jit(lambda p, e, m: beam_search.greedy(model, p, e, m, max_len))
     tokens = np.asarray(jax.device_get(greedy(params, encoded, memory_mask)))
     ends = [list(row).index(EOS_ID) + 1 if EOS_ID in row else max_len for row in tokens]
     steps = max(ends)

@@ -7,8 +7,9 @@ pipeline's heavy stack (TensorFlow, Apache Beam, Prefect):
   1. `--pack DIR`, where the trained models are: writes into DIR exactly what must travel:
      the published parameters of the teacher, the student and, when the config trains them
      and they are published, the AR student and the drafter (numpy, float32), their model
-     configs and config sections, the SentencePiece model, the test set's sources and references, a few
-     hundred training batches of the teacher's and the student's own data (numpy, int16),
+     configs and config sections, the SentencePiece model, the test set's sources and
+     references, a few hundred training batches of the teacher's and the student's own
+     data (numpy, int16),
      and the student's whole training set (the distilled pairs when `distill.enabled`:
      int16 ids end to end, a few MiB), in well under 60 MiB.
 
@@ -196,7 +197,8 @@ def pack(directory: str, config: config_lib.Config, *, train_batches: int,
       RuntimeError: the pack is over `PACK_LIMIT_BYTES`.
     """
     from components import artifacts, corpus, dag
-    from model import input_pipeline, trained_model, translator
+    from model import input_pipeline, trained_model
+    from model.decoding import translator
 
     os.makedirs(directory, exist_ok=True)
     stages = STAGES + tuple(stage for stage in OPTIONAL_STAGES if _published(config, stage))
@@ -318,7 +320,7 @@ def decode_rows(loaded: dict[str, Any], pairs: list[dict], rows: Sequence[Decode
     """decode_speed's measurement without Beam: the report content (components/report.py).
     A CTranslate2 row whose worker cannot start here (no CUDA build, say) is left out."""
     from components import report
-    from model import ctranslate2_search, translator
+    from model.decoding import ctranslate2_search, translator
 
     batch_size = min(batch_size, len(pairs))
     latency, batched = {}, {}
@@ -503,7 +505,8 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
     import tempfile
 
     from components.metrics import corpus_bleu
-    from model import train, trained_model, translator, warm_start
+    from model import train, trained_model, warm_start
+    from model.decoding import refinement, translator
     from model.models import PaDIRModel
 
     cfg = packed_section(about, "student")
@@ -542,6 +545,7 @@ def budget_line(directory: str, about: dict, loaded: dict[str, Any], pairs: list
         with tempfile.TemporaryDirectory(prefix="budget-line-") as checkpoint_dir:
             result = train.train_student(model, data, run_cfg, mesh,
                                          checkpoint_dir=checkpoint_dir, seed=about["seed"],
+                                         predict=refinement.dev_predict(model),
                                          warm_start=start)
         train_s = time.monotonic() - started
         trained = trained_model.LoadedModel(

@@ -70,7 +70,7 @@ def round_shares(records: Sequence[dict], block: int) -> dict[str, float]:
 def measure(drafter: Any, teacher: Any, method: DecodeMethod, sources: list[str],
             greedy: list[Any], greedy_ms: float, latency_sentences: int) -> dict[str, Any]:
     """One decoding row of an arm (see the module docstring)."""
-    from model import translator
+    from model.decoding import translator
 
     batched = translator.Translator(drafter, method, batch_size=min(64, len(sources)),
                                     rescorer=teacher)
@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pairs = sorted(corpus.read_split(dag.output_uri(base, "prepare"), "dev"),
                    key=lambda pair: corpus.id_sort_key(pair["id"]))[:args.sentences]
     sources = [pair["source"] for pair in pairs]
-    from model import trained_model, translator
+    from model import trained_model
+    from model.decoding import translator
 
     teacher = trained_model.load_cached(dag.output_uri(base, "teacher"))
     greedy = translator.Translator(teacher, GREEDY, batch_size=min(64, len(sources)))

@@ -165,7 +165,8 @@ def ensure_upstream(config: config_lib.Config) -> float:
 def dev_figures(config: config_lib.Config, student_uri: str,
                 max_sentences: Optional[int]) -> dict[str, Any]:
     """PaDIR-4 and Mask-Predict-10 on the dev set (the first `max_sentences`), batched."""
-    from model import trained_model, translator
+    from model import trained_model
+    from model.decoding import translator
 
     pairs = list(corpus.read_split(dag.require_input(config, "prepare").uri, "dev"))
     pairs = pairs[:max_sentences]

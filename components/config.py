@@ -493,7 +493,7 @@ TRAINING_STAGES = (*AR_STAGES, "student", "drafter")
 @dataclasses.dataclass(frozen=True)
 class DecodingKind:
     """What the pipeline needs to know of a decoding kind without running it (its search
-    is `model/translator.py: SEARCHES[kind]`)."""
+    is `model/decoding/translator.py: SEARCHES[kind]`)."""
 
     # The training stage whose checkpoint it decodes with: "teacher", "student" or
     # "drafter"; a kind that reads `model` decodes with the AR model that names (this is
@@ -532,7 +532,7 @@ DECODING_KINDS: dict[str, DecodingKind] = {
 
 @dataclasses.dataclass(frozen=True)
 class DecodeMethod:
-    """One decoding method to measure (model/refinement.py, model/beam_search.py).
+    """One decoding method to measure (model/decoding/refinement.py, model/decoding/beam_search.py).
 
     The AR kinds (ar_*, ct2_*) decode with the AR model `model` names: the `teacher`
     (default) or the `ar_student`; draft_verify with the block drafter (`drafter`); the
@@ -555,17 +555,17 @@ class DecodeMethod:
                     prefix (iterations: drafter passes per draft), the teacher verifies in
                     one teacher-forced pass and keeps the drafted tokens it agrees with,
                     then its own next token
-                    (model/draft_verify.py): the teacher's greedy output exactly, in fewer
+                    (model/decoding/draft_verify.py): the teacher's greedy output exactly, in fewer
                     sequential calls when the drafts are good; tolerance_top_k > 1 also
                     accepts a drafted token in the teacher's top k within tolerance_margin
                     of its best log-probability (fewer rounds, no longer exact)
       ct2_greedy    the teacher exported to CTranslate2 (the CPU serving baseline),
-                    greedy; compute_type float32 or int8 (model/ctranslate2_search.py)
+                    greedy; compute_type float32 or int8 (model/decoding/ctranslate2_search.py)
       ct2_beam      the same, beam search: beam_size, length_penalty (CTranslate2's:
                     log-probability / length ** length_penalty, not GNMT's), compute_type
 
     Every kind reads `shortlist`: score only the target pieces a batch's sources can need
-    (model/shortlist.py, built from the model's own training pairs) instead of all V; the
+    (model/decoding/shortlist.py, built from the model's own training pairs) instead of all V; the
     CTranslate2 kinds get it as CTranslate2's vocabulary map (`use_vmap`).
 
     `name` names the method in file names and reports.

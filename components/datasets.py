@@ -83,10 +83,11 @@ FILES = {f"multi30k/{name}": DataFile(f"{MULTI30K_URL}/{name}", sha256)
          for name, sha256 in MULTI30K_SHA256.items()}
 
 
-def cache_dir(environ: MutableMapping[str, str] = os.environ) -> str:
-    """`$XDG_CACHE_HOME/padir/data` (default ~/.cache/padir/data)."""
+def cache_dir(environ: MutableMapping[str, str] = os.environ, name: str = "data") -> str:
+    """`$XDG_CACHE_HOME/padir/<name>` (default ~/.cache/padir/<name>): the fetched data
+    (`data`), the compiled XLA programs (`jax`), the CTranslate2 exports (`ctranslate2`)."""
     cache_home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache_home, "padir", "data")
+    return os.path.join(cache_home, "padir", name)
 
 
 def use_cache(environ: MutableMapping[str, str] = os.environ) -> Optional[str]:

@@ -1,6 +1,6 @@
 """The per-sentence logic of the `distill` stage (plain Python, no Beam), and its figures.
 
-A teacher translation arrives as the record of `model.translator.Translation`
+A teacher translation arrives as the record of `model.decoding.translator.Translation`
 (`TranslationModelHandler`'s `inference`): `hypothesis` (text), `tokens` (ids, EOS
 included when the beam emitted one), `score` (the beam's length-normalised
 log-probability, by `distill.engine`'s normalisation), `source_tokens` (EOS included,
@@ -44,7 +44,7 @@ REASONS = ("source_too_long", "unfinished", "empty", "length_ratio", "low_score"
 
 # What each `distill.engine`'s beam search divides a hypothesis's summed log-probability by,
 # at `length` tokens (EOS counted) and length penalty alpha: GNMT's penalty in ours
-# (model/beam_search.py); length ** alpha in CTranslate2 4.x (measured against the
+# (model/decoding/beam_search.py); length ** alpha in CTranslate2 4.x (measured against the
 # teacher-forced log-probability: tests/test_distill.py).
 LENGTH_NORMALISERS = {
     "jax": lambda length, alpha: ((5.0 + length) / 6.0) ** alpha,

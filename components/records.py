@@ -15,7 +15,7 @@ Features of an Example:
 
 The length buckets are the one rule of padded widths: a stored pair's bucket (`bucket_of`:
 what training pads it to, in the encode stage's figures) and a decoded batch's shape
-(`decoder_shape`: model/translator.py pads to it, pipelines/batching.py groups by it).
+(`decoder_shape`: model/decoding/translator.py pads to it, pipelines/batching.py groups by it).
 
 The element logic here is plain Python (the Beam job wraps it; tests call it directly).
 TensorFlow is imported on first use only: `serialize_example` needs its protos. Shards are

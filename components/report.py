@@ -443,9 +443,9 @@ def _draft_lines(methods: Sequence[Mapping[str, Any]]) -> list[str]:
     greedy = next((m for m in methods if m["kind"] == "ar_greedy"
                    and m.get("stage", "teacher") == "teacher"), None)
     steps = f" (greedy: {greedy['mean_passes']:.1f} steps)" if greedy else ""
-    lines = ["", f"Draft and verify, per sentence{steps}: rounds (each a student draft and a "
-                 "teacher pass), drafted tokens the teacher accepted per round, and output "
-                 "tokens per round (greedy: 1).", ""]
+    lines = ["", f"Draft and verify, per sentence{steps}: rounds (each a drafter pass and a "
+                 "teacher pass over the block), drafted tokens the teacher accepted per "
+                 "round, and output tokens per round (greedy: 1).", ""]
     return lines + _table(
         ["method", "rounds mean", "median", "p90", "accepted / round", "tokens / round"],
         [[m["method"], _number(m["draft"]["rounds_mean"], 1),

@@ -269,7 +269,8 @@ def absolute(uri: str) -> str:
 
 
 def _translator(checkpoint: str, method: config_lib.DecodeMethod, batch_size: int) -> Any:
-    from model import trained_model, translator  # JAX: only for this command
+    from model import trained_model  # JAX: only for this command
+    from model.decoding import translator
 
     return translator.Translator(trained_model.load(checkpoint), method, batch_size=batch_size)
 
@@ -303,9 +304,9 @@ def _add_export_command(commands) -> None:
         description="Writes the AR model of a published teacher or ar_student artifact as a "
                     "CTranslate2 model directory (model.bin, config.json, "
                     "shared_vocabulary.json) with its SentencePiece model (spm.model); "
-                    "model/ctranslate2_export.py says how the network maps. Sources are SentencePiece pieces followed by "
+                    "model/decoding/ctranslate2_export.py says how the network maps. Sources are SentencePiece pieces followed by "
                     "'</s>'; decode with beam_size, max_decoding_length and "
-                    "suppress_sequences as model/ctranslate2_search.py does.")
+                    "suppress_sequences as model/decoding/ctranslate2_search.py does.")
     export.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="a published teacher or ar_student artifact, e.g. "
                              "work/multi30k_en_de/teacher/<key>")
@@ -317,7 +318,8 @@ def _add_export_command(commands) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from model import ctranslate2_export, ctranslate2_search, trained_model  # JAX: only here
+    from model import trained_model  # JAX: only here
+    from model.decoding import ctranslate2_export, ctranslate2_search
 
     checkpoint = absolute(args.checkpoint)
     if artifacts.read(checkpoint).stage not in config_lib.AR_STAGES:
@@ -433,8 +435,7 @@ def use_compilation_cache(environ: typing.MutableMapping[str, str] = os.environ)
     of compiling them (the demo compiles for about 4 of its 14 minutes). Takes effect only
     before JAX is imported; JAX_ENABLE_COMPILATION_CACHE=false turns it off. Returns the
     directory."""
-    cache_home = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(cache_home, "padir", "jax"))
+    environ.setdefault("JAX_COMPILATION_CACHE_DIR", datasets.cache_dir(environ, "jax"))
     environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(COMPILATION_CACHE_MAX_BYTES))
     return environ["JAX_COMPILATION_CACHE_DIR"]
 

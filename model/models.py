@@ -1,11 +1,15 @@
-"""The model interface shared by the AR teacher and the PaDIR student (T5X models.py style).
+"""The model interface of the AR teacher, the PaDIR student and the block drafter (T5X
+models.py style).
 
-`ARModel` and `PaDIRModel` wrap a Linen module with what every stage that trains, decodes
-or scores needs, and nothing about optimisation:
+`ARModel`, `PaDIRModel` and `DrafterModel` wrap a Linen module with what every stage that
+trains, decodes or scores needs, and nothing about optimisation or search:
 
     params = model.init(rng, batch)                      # plain arrays, no boxes
     loss, metrics = model.loss_fn(params, batch, rng)   # PaDIR also: settings (LossSettings)
-    tokens = model.predict_batch(params, batch)          # int32[B, T]
+    tokens = student.predict_batch(params, batch)        # int32[B, T]: one pass (PaDIR)
+
+The AR searches over `ARModel`'s step (`make_tokens_to_logits`, its cache) live in
+model/decoding/beam_search.py (`greedy`, `beam`, `predict_greedy`).
 
 A batch is `{"source": int32[B, S], "target": int32[B, T]}`: ids followed by EOS,
 right-padded with 0. T <= max_target_len and S <= max_source_len (PaDIR's encoder has one
@@ -18,14 +22,13 @@ axis names of every parameter (a tree of PartitionSpecs shaped like `init`'s out
 trainer can do `nn.logical_to_mesh_sharding(model.logical_axes(batch), mesh, rules)` and
 `jax.jit(model.init, out_shardings=...)`.
 
-All methods are pure and jit-able (static shapes); jit them at the call site, with
-`beam_size` static for `ARModel.beam_search`.
+All methods are pure and jit-able (static shapes); jit them at the call site.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -33,7 +36,6 @@ import jax.numpy as jnp
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
-from model import beam_search as search
 from model import losses, noising
 from model.transformer import (
     ARTransformer,
@@ -59,7 +61,8 @@ def _init_inputs(batch: Batch) -> tuple[jax.Array, jax.Array]:
     )
 
 
-def _output_length(config: ModelConfig, batch: Batch) -> int:
+def output_length(config: ModelConfig, batch: Batch) -> int:
+    """The output width a batch decodes into: its targets', else max_target_len."""
     return batch["target"].shape[1] if "target" in batch else config.max_target_len
 
 
@@ -241,12 +244,13 @@ class ARModel(_BaseModel):
     def make_tokens_to_logits(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array,
         vocab_ids: jax.Array | None = None,
-    ) -> search.TokensToLogits:
-        """The one-step callback: (ids int32[N, 1], cache) -> (logits float32[N, V], cache).
+    ) -> Callable[[jax.Array, Any], tuple[jax.Array, Any]]:
+        """The one-step callback of the AR searches (model/decoding/beam_search.py):
+        (ids int32[N, 1], cache) -> (logits float32[N, V], cache).
 
         `encoded`/`memory_mask` must already have N rows. Logits of ids that are never
         targets (pad, BOS, control ids) are masked so that no search emits them. With
-        `vocab_ids` (a shortlist, reserved ids first: model/shortlist.py) the logits are
+        `vocab_ids` (a shortlist, reserved ids first: model/decoding/shortlist.py) the logits are
         [N, K], column i for id vocab_ids[i].
         """
 
@@ -259,62 +263,6 @@ class ARModel(_BaseModel):
             return mask_non_target_ids(logits[:, 0]), variables["cache"]
 
         return tokens_to_logits
-
-    def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
-        """Greedy decoding. Returns int32[B, T] (T = target width, else max_target_len):
-        ids up to and including EOS, then 0."""
-        encoded, memory_mask = self.encode(params, batch["source"])
-        return self.greedy(params, encoded, memory_mask, _output_length(self.config, batch))
-
-    def greedy(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int,
-        vocab_ids: jax.Array | None = None,
-    ) -> jax.Array:
-        """Greedy decoding of an encoded batch (`predict_batch` after `encode`); the loop
-        stops when every row has emitted EOS. `vocab_ids`: a shortlist to decode over
-        (default: all ids). Returns int32[B, max_len]."""
-        cache = self.init_cache(params, encoded, memory_mask, max_len)
-        return search.greedy_search(
-            self.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids),
-            cache,
-            batch_size=encoded.shape[0],
-            max_len=max_len,
-            vocab_ids=vocab_ids,
-        )
-
-    def beam_search(
-        self, params: Params, batch: Batch, beam_size: int, length_penalty: float = 0.6
-    ) -> tuple[jax.Array, jax.Array]:
-        """Beam search (GNMT length penalty exponent `length_penalty` >= 0).
-
-        Returns the best hypothesis int32[B, T] and its length-penalised log-probability
-        float32[B]. `beam_size` must be static under jit.
-        """
-        encoded, memory_mask = self.encode(params, batch["source"])
-        return self.beam(params, encoded, memory_mask, _output_length(self.config, batch),
-                         beam_size, length_penalty)
-
-    def beam(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int,
-        beam_size: int, length_penalty: float = 0.6, vocab_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, jax.Array]:
-        """`beam_search` of an encoded batch: (int32[B, max_len], float32[B]); `vocab_ids`
-        as `greedy`."""
-        batch_size = encoded.shape[0]
-        # Row b * K + k is beam k of example b.
-        encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
-        memory_mask = jnp.repeat(memory_mask, beam_size, axis=0)  # [B * K, S]
-        cache = self.init_cache(params, encoded, memory_mask, max_len)
-        seqs, scores = search.beam_search(
-            self.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids),
-            cache,
-            batch_size=batch_size,
-            beam_size=beam_size,
-            max_len=max_len,
-            alpha=length_penalty,
-            vocab_ids=vocab_ids,
-        )  # [B, K, T], [B, K]
-        return seqs[:, 0], scores[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,7 +389,7 @@ class PaDIRModel(_BaseModel):
         position before the predicted EOS, EOS at it, 0 after (also 0 after any earlier
         EOS the decoder emits).
         """
-        max_len = _output_length(self.config, batch)
+        max_len = output_length(self.config, batch)
         encoded, memory_mask = self.encode(params, batch["source"])
         classes = jnp.argmax(self.length_logits(params, encoded), axis=-1)  # [B]
         lengths = jnp.clip(classes + 1, 1, max_len).astype(jnp.int32)  # [B]
@@ -516,7 +464,7 @@ class DrafterModel(_BaseModel):
           length: int32[B], the prefix's length.
           passes: >= 1; each pass after the first reads the block the one before drafted
             (the drafter refining its own block).
-          vocab_ids: a shortlist to draft over (model/shortlist.py), reserved ids first.
+          vocab_ids: a shortlist to draft over (model/decoding/shortlist.py), reserved ids first.
 
         Returns:
           int32[B, block].
@@ -546,7 +494,7 @@ class DrafterModel(_BaseModel):
         """The drafter's own translation, a block a pass with nothing verified: what dev
         BLEU reads while it trains. Returns int32[B, T] (T = target width, else
         max_target_len): ids up to and including EOS, then 0."""
-        width = _output_length(self.config, batch)
+        width = output_length(self.config, batch)
         encoded, memory_mask = self.encode(params, batch["source"])
         rows = encoded.shape[0]
 

@@ -1,8 +1,10 @@
 """The training engine: one loop for the AR teacher and the PaDIR student.
 
 The model is anything with the small interface of model/models.py (`init(rng, batch)`,
-`loss_fn(params, batch, rng, *, deterministic) -> (loss, metric sums)`,
-`predict_batch(params, batch)`); the optimizer, the sharding and the checkpoints stay here.
+`loss_fn(params, batch, rng, *, deterministic) -> (loss, metric sums)`), and the dev
+evaluation decodes with the `predict` function its caller gives (a search of
+model/decoding/, which this engine does not import); the optimizer, the sharding and the
+checkpoints stay here.
 A student's run also has its phase's loss settings (`RunSpec.loss_settings`, model/losses.py
 `student_loss_settings`), which the steps give `model.loss_fn` as `settings`; the AR
 models' loss has none.
@@ -56,7 +58,7 @@ from components.config import (
 from components import training_artifact
 from components.metrics import corpus_bleu, tokenized_lowercased_bleu
 from components.tokenizer import EOS_ID, PAD_ID
-from model import checkpoints, refinement, sharding
+from model import checkpoints, sharding
 from model.losses import LossSettings, student_loss_settings
 
 log = logging.getLogger(__name__)
@@ -789,10 +791,12 @@ def _deadline(loop: TrainLoopConfig) -> Optional[float]:
 
 
 def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshConfig, *,
-                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
+                  checkpoint_dir: str, seed: int,
+                  predict: Callable[[Any, Batch], jax.Array],
+                  log_dir: Optional[str] = None,
                   warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
-    """An AR model (the teacher, or the AR student: `ARStudentConfig` is a `TeacherConfig`):
-    one run of `cfg.steps` single-stage steps.
+    """A single-stage model (the teacher, the AR student, the drafter: their configs are
+    `TeacherConfig`s): one run of `cfg.steps` steps, dev BLEU of `predict` (RunSpec).
 
     Label smoothing (`cfg.label_smoothing`) is part of the teacher's loss: the caller builds
     `model` with it; the engine only optimises what `model.loss_fn` returns. `warm_start`
@@ -800,17 +804,14 @@ def train_teacher(model: Any, data: TrainData, cfg: TeacherConfig, mesh: MeshCon
     """
     run = RunSpec(num_steps=cfg.steps, optimizer=cfg.optimizer, loop=cfg.loop,
                   checkpoint_dir=checkpoint_dir, seed=seed, log_dir=log_dir,
-                  deadline=_deadline(cfg.loop), warm_start=warm_start)
+                  deadline=_deadline(cfg.loop), warm_start=warm_start, predict=predict)
     return train(model, data, run, mesh)
 
 
-# The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's
-# headline figure decodes with), not of a single pass.
-STUDENT_DEV_ITERATIONS = 4
-
-
 def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshConfig, *,
-                  checkpoint_dir: str, seed: int, log_dir: Optional[str] = None,
+                  checkpoint_dir: str, seed: int,
+                  predict: Callable[[Any, Batch], jax.Array],
+                  log_dir: Optional[str] = None,
                   warm_start: Optional[Callable[[Any], Any]] = None) -> TrainResult:
     """The PaDIR student: phase 1 (single-pass loss), then phase 2 (`cfg.num_passes`
     unrolled stages) initialised from phase 1's last step, each in its folder of
@@ -820,16 +821,14 @@ def train_student(model: Any, data: TrainData, cfg: StudentConfig, mesh: MeshCon
     seed (seed + 1), so its noise and dropout differ from phase 1's. `loop.max_minutes`
     budgets both phases together. As for the teacher, the caller builds `model` with
     `cfg.label_smoothing`. `warm_start` (RunSpec) starts phase 1, e.g. from the teacher.
-    Dev BLEU is of `refinement.predict_refined` at STUDENT_DEV_ITERATIONS passes.
+    Dev BLEU is of `predict` in both phases (the stage's: `refinement.dev_predict`).
     """
     first = RunSpec(
         num_steps=cfg.phase1_steps, optimizer=cfg.optimizer, loop=cfg.loop,
         checkpoint_dir=training_artifact.phase(checkpoint_dir, 1), seed=seed,
         loss_settings=student_loss_settings(cfg, phase=1),
         log_dir=log_dir and training_artifact.phase(log_dir, 1),
-        deadline=_deadline(cfg.loop), warm_start=warm_start,
-        predict=functools.partial(refinement.predict_refined, model,
-                                  max_iterations=STUDENT_DEV_ITERATIONS))
+        deadline=_deadline(cfg.loop), warm_start=warm_start, predict=predict)
     result = train(model, data, first, mesh)
     if not result.completed or cfg.phase2_steps == 0:
         return result

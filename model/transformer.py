@@ -285,7 +285,7 @@ class CachedBlockAttention(nn.Module):
     block holds positions start[b] .. start[b] + W - 1; its keys and values are written
     into the cache there, and each query reads the cache up to its own position.
 
-    What draft and verify's verifier runs (model/draft_verify.py): the teacher over a
+    What draft and verify's verifier runs (model/decoding/draft_verify.py): the teacher over a
     drafted block and one more position, its prefix's keys and values kept from earlier
     rounds. A row whose block was partly rejected simply starts its next block earlier;
     what was written past it is overwritten or never read. Flax's cached attention takes
@@ -382,7 +382,7 @@ def _output_logits(config: ModelConfig, embedding: nn.Embed, y: jax.Array,
     # Tied projection; scaled by D^-1/2 (as T5 does) so unit-variance embeddings give
     # unit-scale logits. The scale multiplies y [..., D], not the logits [..., V]: in
     # training that saves a pass over the logits each way. Logits are float32 whatever the
-    # compute dtype. With `vocab_ids` (int32[K], a shortlist: model/shortlist.py) only
+    # compute dtype. With `vocab_ids` (int32[K], a shortlist: model/decoding/shortlist.py) only
     # those rows of the table are scored.
     table = embedding.embedding
     if vocab_ids is not None:

@@ -18,10 +18,13 @@ Training, resuming and publishing work as pipelines/training.py says.
 
 from __future__ import annotations
 
+import functools
+
 from components import artifacts, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import train
+from model.decoding import beam_search
 from pipelines import teacher, training
 
 
@@ -34,7 +37,8 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
         checkpoint_dir = training_artifact.checkpoints(pending.tmp_uri)
         result = train.train_teacher(
             model, data, cfg, config.mesh, checkpoint_dir=checkpoint_dir,
-            seed=config.seed, log_dir=training_artifact.tensorboard(pending.tmp_uri),
+            seed=config.seed, predict=functools.partial(beam_search.predict_greedy, model),
+            log_dir=training_artifact.tensorboard(pending.tmp_uri),
             warm_start=training.teacher_warm_start(config, "ar_student"))
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = teacher.final_dev_bleu(

@@ -5,7 +5,7 @@
 
 Each pair (a dict with "id" and "source") is keyed by the decoder shape its batch will have
 (`components.records.decoder_shape`: the padded source width S and output cap T that
-model/translator.py pads to, from its token count with the model's tokenizer and length
+model/decoding/translator.py pads to, from its token count with the model's tokenizer and length
 buckets). The pairs of one shape are counted, and the shape is split into
 ceil(count / `max_group_size`) groups by a stable hash of the id, so that a group holds
 about `max_group_size` pairs at most however large the corpus: the one step that holds a

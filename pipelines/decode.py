@@ -23,14 +23,14 @@ Contract:
                 test set), `throughput` (per test set and method: batch size, sentences,
                 hypothesis tokens, seconds, sentences/s, tokens/s) and `ctranslate2_sweep`
                 (per CTranslate2 method, in config order: its name, the test set sampled
-                and its model/ctranslate2_sweep.py `sweep`: every thread setting timed per
+                and its model/decoding/ctranslate2_sweep.py `sweep`: every thread setting timed per
                 pass and the one chosen).
   With `decode.max_sentences` set, only the first N sentences of each test set (by id).
 
 The batched pass decodes batches of similar lengths and one decoder shape
 (pipelines/batching.py), as a production batch translator does: a batch costs what its
 longest sentence costs. Throughput counts decode-call time only (the sum of the batches' `batch_seconds`, see
-model/translator.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
+model/decoding/translator.py), not Beam's overhead; tokens/s counts hypothesis tokens, EOS included.
 Sentences longer than the widest length bucket are cut to it (flagged `truncated` and
 counted), never dropped. Each method x test set x pass is one RunInference, in a runner
 stage of its own (`DecodeAndWrite`: one method's decodes never interleave with another's);
@@ -38,10 +38,10 @@ the checkpoints are restored once per worker process (pipelines/model_handler.py
 
 The CTranslate2 methods translate in a process of their own, which never imports JAX, so
 that no other runtime's threads share CTranslate2's cores, and are timed there
-(model/ctranslate2_search.py). Before any decode, each one's threads are chosen per pass
+(model/decoding/ctranslate2_search.py). Before any decode, each one's threads are chosen per pass
 by a sweep: every setting of a small grid decodes the first sentences of the first test
 set, and the fastest per regime decodes that pass (batch 1: the lowest median latency;
-batched: the most sentences/s; model/ctranslate2_sweep.py).
+batched: the most sentences/s; model/decoding/ctranslate2_sweep.py).
 
 Run it alone, locally (the in-process FnApiRunner, which runs one decode at a time, as the
 timings need):
@@ -270,11 +270,12 @@ def latency_sentences(read: int, config: config_lib.Config) -> int:
 
 def sweep_ctranslate2(config: config_lib.Config, prepared_uri: str,
                       checkpoints: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """Each CTranslate2 method's sweep (model/ctranslate2_sweep.py): its threads per pass,
+    """Each CTranslate2 method's sweep (model/decoding/ctranslate2_sweep.py): its threads per pass,
     timed on the first sentences by id of the first test set, in this process (on
     Dataflow, where the job is launched: launch it from a machine of the workers' type).
     Method name -> its record, with the test set."""
-    from model import ctranslate2_sweep  # JAX: in the job's process, as the handlers load it
+    # JAX: in the job's process, as the handlers load it.
+    from model.decoding import ctranslate2_sweep
 
     split = decoded_splits(config.data)[0]
     sample = min(ctranslate2_sweep.SAMPLE_SENTENCES,

@@ -33,7 +33,7 @@ batches' contents do not depend on the runner, so a rerun writes the same pairs.
 worker process restores the teacher once (pipelines/model_handler.py).
 
 Engine (`distill.engine`, `method`): our jitted beam search, or the teacher exported to
-CTranslate2 once per worker process (model/ctranslate2_search.py), the CPU engine of the
+CTranslate2 once per worker process (model/decoding/ctranslate2_search.py), the CPU engine of the
 field, several times faster batched. At length_penalty 0 both write the same pairs; above,
 CTranslate2's length normalisation may end a sentence on another hypothesis. The scores
 are the teacher's summed log-probabilities either way.

@@ -31,9 +31,11 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     No final greedy and beam dev decoding: the drafter is read only by draft_verify, whose
     output the teacher decides."""
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
+        model = training.drafter_model(config, tokenizer)
         return train.train_teacher(
-            training.drafter_model(config, tokenizer), data, config.drafter, config.mesh,
+            model, data, config.drafter, config.mesh,
             checkpoint_dir=training_artifact.checkpoints(pending.tmp_uri), seed=config.seed,
+            predict=model.predict_batch,
             log_dir=training_artifact.tensorboard(pending.tmp_uri),
             warm_start=training.teacher_warm_start(config, "drafter"))
 

@@ -9,10 +9,10 @@ student).
 
 Examples are source sentences (text); each PredictionResult carries the source as
 `example`, the artifact URI as `model_id`, and as `inference` the record of
-`model.translator.Translation`: `hypothesis`, `tokens`, `score` (the beam's length-penalised
-log-probability for `ar_beam`, the mean token log-probability for the NAR kinds, None for
-greedy), `passes`, `source_tokens`, `truncated`, `latency_s`, `batch_seconds`,
-`batch_size`. Shapes, timing and the definitions: model/translator.py.
+`model.decoding.translator.Translation`: `hypothesis`, `tokens`, `score` (the beam's
+length-penalised log-probability for `ar_beam`, the mean token log-probability for the NAR
+kinds, None for greedy), `passes`, `source_tokens`, `truncated`, `latency_s`,
+`batch_seconds`, `batch_size`. Shapes, timing and the definitions: model/decoding/translator.py.
 
 Loading. `load_model` runs once per RunInference transform and worker process (Beam's
 `shared.Shared` in the RunInference DoFn; the model is not shared across processes, since
@@ -65,7 +65,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
       rescorer_uri: a published artifact of the method's rescorer stage (`teacher`), for a
         rescored kind; restored once per process like the model.
       ctranslate2_threads: a CTranslate2 kind's threads, {"intra_threads",
-        "inter_threads"} (model/ctranslate2_search.py `Threads`; None: its default).
+        "inter_threads"} (model/decoding/ctranslate2_search.py `Threads`; None: its default).
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
@@ -87,7 +87,9 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
 
     def load_model(self):
         """The checkpoint (restored once per process) and the method's jitted decoder."""
-        from model import ctranslate2_search, trained_model, translator  # JAX starts here
+        from model import trained_model  # JAX starts here
+        from model.decoding import translator
+        from model.decoding import ctranslate2_search
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
         rescorer = (trained_model.load_cached(self._rescorer_uri) if self._rescorer_uri

@@ -19,6 +19,7 @@ from components import artifacts, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import train
+from model.decoding import refinement
 from pipelines import training
 
 
@@ -27,9 +28,11 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
     single-stage, then phase 2 unrolled."""
 
     def train_fn(pending, data: train.TrainData, tokenizer: Tokenizer):
+        model = training.student_model(config, tokenizer)
         return train.train_student(
-            training.student_model(config, tokenizer), data, config.student, config.mesh,
+            model, data, config.student, config.mesh,
             checkpoint_dir=training_artifact.checkpoints(pending.tmp_uri), seed=config.seed,
+            predict=refinement.dev_predict(model),
             log_dir=training_artifact.tensorboard(pending.tmp_uri),
             warm_start=training.teacher_warm_start(config, "student"))
 

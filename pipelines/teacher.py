@@ -26,6 +26,7 @@ from components import artifacts, metrics, training_artifact
 from components import config as config_lib
 from components.tokenizer import Tokenizer
 from model import train, trained_model
+from model.decoding import beam_search
 from model.models import ARModel
 from pipelines import training
 
@@ -42,7 +43,8 @@ def run(config: config_lib.Config) -> artifacts.Artifact:
         checkpoint_dir = training_artifact.checkpoints(pending.tmp_uri)
         result = train.train_teacher(
             model, data, config.teacher, config.mesh, checkpoint_dir=checkpoint_dir,
-            seed=config.seed, log_dir=training_artifact.tensorboard(pending.tmp_uri))
+            seed=config.seed, predict=functools.partial(beam_search.predict_greedy, model),
+            log_dir=training_artifact.tensorboard(pending.tmp_uri))
         if result.completed or result.stop_reason == "time budget":
             pending.metrics["dev_final"] = final_dev_bleu(
                 model, checkpoint_dir, config.teacher.loop.best_metric, data, result)
@@ -64,9 +66,11 @@ def final_dev_bleu(model: ARModel, checkpoint_dir: str, best_metric: str,
     params, step = trained_model.restore(model, checkpoint_dir, best_metric)
     last = result.dev_metrics or {}
     reuse_greedy = step == int(result.state.step) and {"bleu", "bleu_tok_lc"} <= set(last)
-    searches = {} if reuse_greedy else {"greedy": jax.jit(model.predict_batch)}
+    searches = {} if reuse_greedy else {
+        "greedy": jax.jit(functools.partial(beam_search.predict_greedy, model))}
     searches[f"beam{DEV_BEAM_SIZE}"] = jax.jit(functools.partial(
-        model.beam_search, beam_size=DEV_BEAM_SIZE, length_penalty=DEV_LENGTH_PENALTY))
+        beam_search.predict_beam, model, beam_size=DEV_BEAM_SIZE,
+        length_penalty=DEV_LENGTH_PENALTY))
     scores = {}
     for name, search in searches.items():
         hypotheses = []

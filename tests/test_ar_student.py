@@ -25,7 +25,8 @@ from components import config as config_lib
 from components.config import DecodeMethod
 from flows import cli
 from flows.stages import run_stage
-from model import train, trained_model, translator
+from model import train, trained_model
+from model.decoding import translator
 from pipelines import decode, training
 from pipelines import score as score_stage
 from tiny_experiment import TINY_MODEL, ensure, publish_untrained, tiny_config

@@ -1,4 +1,5 @@
-"""Tests for model/beam_search.py: a synthetic model checked by enumeration, and a tiny AR model."""
+"""Tests for model/decoding/beam_search.py: a synthetic model checked by enumeration, and a
+tiny AR model."""
 
 import functools
 import itertools
@@ -10,7 +11,7 @@ import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from model.beam_search import NEG_INF, beam_search, greedy_search, length_penalty
+from model.decoding.beam_search import NEG_INF, beam_search, greedy_search, length_penalty
 from model.models import ARModel
 from model.transformer import mask_non_target_ids
 

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks import crossover
 from components.tokenizer import EOS_ID
-from model import ctranslate2_search
+from model.decoding import ctranslate2_search
 
 TINY = crossover.Shape(d_model=32, layers=1, vocab=300)
 LENGTH = 6

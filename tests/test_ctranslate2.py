@@ -1,12 +1,13 @@
-"""The teacher exported to CTranslate2 (model/ctranslate2_export.py) decodes as our JAX
-search does (model/beam_search.py), through the Translator (model/ctranslate2_search.py),
-and `padir export` writes it."""
+"""The teacher exported to CTranslate2 (model/decoding/ctranslate2_export.py) decodes as our
+JAX search does (model/decoding/beam_search.py), through the Translator
+(model/decoding/ctranslate2_search.py), and `padir export` writes it."""
 
 import dataclasses
 import functools
 import json
 import os
 import tempfile
+import types
 
 import ctranslate2
 import jax
@@ -17,8 +18,9 @@ import pytest
 import tiny_models
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, RESERVED_PIECES
-from model import ctranslate2_export
-from model.beam_search import length_penalty
+from model.decoding import ctranslate2_export
+from model.decoding import beam_search
+from model.decoding.beam_search import length_penalty
 from model.models import ARModel
 from model.transformer import NON_TARGET_IDS, mask_non_target_ids
 from tiny_models import BATCH, CONFIG, MAX_LEN, VOCAB
@@ -34,6 +36,10 @@ def teacher():
     directory = ctranslate2_export.export(CONFIG, params, PIECES, os.path.join(
         tempfile.mkdtemp(prefix="padir-test-ct2-"), "model"))
     return model, params, directory
+
+
+def _greedy(model):
+    return jax.jit(functools.partial(beam_search.predict_greedy, model))
 
 
 def _sources() -> np.ndarray:
@@ -67,14 +73,14 @@ def _log_prob(model, params, source, hypothesis) -> float:
 def test_greedy_is_our_greedy_token_for_token():
     model, params, directory = teacher()
     sources = _sources()
-    ours = jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)})
+    ours = _greedy(model)(params, {"source": jnp.asarray(sources)})
     assert _ct2(directory, sources, beam_size=1) == _rows(ours)
 
 
 def test_beam_search_is_ours_without_length_penalty_and_differs_only_by_its_normalisation():
     model, params, directory = teacher()
     sources = _sources()
-    search = jax.jit(lambda p, b, alpha: model.beam_search(p, b, 4, alpha))
+    search = jax.jit(lambda p, b, alpha: beam_search.predict_beam(model, p, b, 4, alpha))
     plain, _ = search(params, {"source": jnp.asarray(sources)}, 0.0)
     assert _ct2(directory, sources, beam_size=4, length_penalty=0.0) == _rows(plain)
     # At 0.6 CTranslate2 ranks finished hypotheses by log p / len ** 0.6, ours by GNMT's
@@ -93,7 +99,7 @@ def test_beam_search_is_ours_without_length_penalty_and_differs_only_by_its_norm
 def test_int8_greedy_runs_on_the_same_export():
     model, params, directory = teacher()
     sources = _sources()
-    ours = _rows(jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)}))
+    ours = _rows(_greedy(model)(params, {"source": jnp.asarray(sources)}))
     quantised = _ct2(directory, sources, compute_type="int8", beam_size=1)
     assert all(row[-1] == 1 or len(row) == MAX_LEN for row in quantised)  # EOS or the cap
     assert sum(a == b for a, b in zip(quantised, ours)) >= len(ours) // 2
@@ -114,7 +120,7 @@ def test_the_ar_students_shape_exports_and_decodes_as_ours(tmp_path):
     params = tiny_models.train(model, jax.jit(model.init)(jax.random.key(0), BATCH), 150)
     directory = ctranslate2_export.export(config, params, PIECES, str(tmp_path / "model"))
     sources = _sources()
-    ours = jax.jit(model.predict_batch)(params, {"source": jnp.asarray(sources)})
+    ours = _greedy(model)(params, {"source": jnp.asarray(sources)})
     assert _ct2(directory, sources, beam_size=1) == _rows(ours)
 
 
@@ -135,7 +141,8 @@ SENTENCES = ["Ein Hund läuft im Park.", "Zwei Männer spielen Fußball auf eine
 
 
 def test_translator_ct2_kinds_give_our_greedy_hypotheses(published):
-    from model import trained_model, translator
+    from model import trained_model
+    from model.decoding import translator
 
     loaded = trained_model.load(published.uri)
     ours = translator.Translator(loaded, DecodeMethod("g", "ar_greedy"), batch_size=2)
@@ -173,7 +180,7 @@ def _options(**options) -> dict:
 
 
 def test_the_worker_translates_as_ctranslate2_in_process_does_and_times_the_call():
-    from model.ctranslate2_search import Threads, Worker
+    from model.decoding.ctranslate2_search import Threads, Worker
 
     _, _, directory = teacher()
     sources = _sources()
@@ -191,7 +198,7 @@ def test_the_worker_translates_as_ctranslate2_in_process_does_and_times_the_call
 
 
 def test_a_worker_failure_is_an_error_in_the_parent(tmp_path):
-    from model.ctranslate2_search import Threads, Worker, WorkerError
+    from model.decoding.ctranslate2_search import Threads, Worker, WorkerError
 
     with pytest.raises(WorkerError, match="(?s)missing.*failed:.*Traceback"):
         Worker(str(tmp_path / "missing"), device="cpu", compute_type="float32",
@@ -210,7 +217,7 @@ def test_the_worker_process_imports_ctranslate2_and_no_other_runtime():
     import subprocess
     import sys
 
-    script = ("import sys, ctranslate2, model.ctranslate2_worker; "
+    script = ("import sys, ctranslate2, model.decoding.ctranslate2_worker; "
               "print(sorted({m.split('.')[0] for m in sys.modules} & "
               "{'jax', 'jaxlib', 'flax', 'tensorflow', 'torch', 'components'}))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -219,8 +226,8 @@ def test_the_worker_process_imports_ctranslate2_and_no_other_runtime():
 
 
 def test_the_thread_grids_stay_within_the_cpus():
-    from model.ctranslate2_search import Threads
-    from model.ctranslate2_sweep import grid, thread_counts
+    from model.decoding.ctranslate2_search import Threads
+    from model.decoding.ctranslate2_sweep import grid, thread_counts
 
     assert [thread_counts(n) for n in (1, 2, 6, 16)] == [[1], [1, 2], [1, 2, 4, 6],
                                                           [1, 2, 4, 8, 16]]
@@ -231,7 +238,8 @@ def test_the_thread_grids_stay_within_the_cpus():
 
 
 def test_the_sweep_times_every_setting_and_records_the_fastest(published):
-    from model import ctranslate2_sweep, trained_model
+    from model import trained_model
+    from model.decoding import ctranslate2_sweep
 
     loaded = trained_model.load(published.uri)
     record = ctranslate2_sweep.sweep(
@@ -254,7 +262,7 @@ def test_the_sweep_times_every_setting_and_records_the_fastest(published):
 
 
 def test_a_vocabulary_map_keeps_each_sentence_to_its_shortlist(tmp_path, monkeypatch):
-    from model import shortlist
+    from model.decoding import shortlist
 
     _, params, _ = teacher()
     table = shortlist.build(zip(np.asarray(BATCH["source"]), np.asarray(BATCH["target"])),
@@ -275,7 +283,8 @@ def test_a_vocabulary_map_keeps_each_sentence_to_its_shortlist(tmp_path, monkeyp
 
 
 def test_a_shortlist_ct2_translator_decodes_with_the_vocabulary_map(published, monkeypatch):
-    from model import shortlist, trained_model, translator
+    from model import trained_model
+    from model.decoding import shortlist, translator
 
     loaded = trained_model.load(published.uri)
     ids = [np.asarray(row + [EOS_ID]) for row in loaded.tokenizer.encode(SENTENCES)]
@@ -293,3 +302,35 @@ def test_a_shortlist_ct2_translator_decodes_with_the_vocabulary_map(published, m
         loaded, DecodeMethod("c", "ct2_greedy"), batch_size=1).translate(SENTENCES)]
     assert all(tokens <= cands for tokens, cands in zip(kept, allowed))
     assert any(not tokens <= cands for tokens, cands in zip(free, allowed))  # it restricts
+
+
+class _Pieces:
+    """The tokenizer interface `ctranslate2_search.pieces` reads, over PIECES."""
+
+    vocab_size = VOCAB
+
+    def id_to_piece(self, i: int) -> str:
+        return PIECES[i]
+
+
+def test_an_export_is_kept_per_model_and_a_partial_one_is_never_read(monkeypatch, tmp_path):
+    from model.decoding import ctranslate2_search
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model, params, _ = teacher()
+    loaded = types.SimpleNamespace(model=model, params=params, tokenizer=_Pieces())
+    exports = []
+    real = ctranslate2_export.export
+    monkeypatch.setattr(ctranslate2_export, "export",
+                        lambda *a, **k: exports.append(a[-1]) or real(*a, **k))
+    key = ctranslate2_search.export_key(loaded, None)
+    # A killed export's partial directory is left beside where the export goes.
+    (tmp_path / "padir" / "ctranslate2" / f"{key}.partial-x").mkdir(parents=True)
+    first = ctranslate2_search.export_dir(loaded, None)
+    assert first == str(tmp_path / "padir" / "ctranslate2" / key / "model")
+    assert ctranslate2_search.export_dir(loaded, None) == first and len(exports) == 1
+    assert _ct2(first, _sources()[:4]) == _rows(_greedy(model)(params, BATCH))
+    # Other parameters are another export.
+    other = types.SimpleNamespace(model=model, tokenizer=_Pieces(),
+                                  params=jax.tree.map(lambda x: x + 0.01, params))
+    assert ctranslate2_search.export_dir(other, None) != first and len(exports) == 2

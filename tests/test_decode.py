@@ -1,5 +1,5 @@
-"""The decoding path on tiny data: model/translator.py (Translator), pipelines/model_handler.py
-(the RunInference handler), pipelines/decode.py (the stage), pipelines/score.py and
+"""The decoding path on tiny data: model/decoding/translator.py (Translator),
+pipelines/model_handler.py (the RunInference handler), pipelines/decode.py (the stage), pipelines/score.py and
 components/report.py (the score stage), and `padir translate`.
 
 The fixture runs the real prepare and vocab stages on the tiny Multi30k slice
@@ -29,7 +29,8 @@ from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID
 from flows import cli
 from flows.stages import run_stage
-from model import ctranslate2_search, input_pipeline, shortlist, trained_model, translator
+from model import input_pipeline, trained_model
+from model.decoding import ctranslate2_search, shortlist, translator
 from pipelines import decode
 from pipelines import model_handler
 from tiny_experiment import ensure, publish_untrained, tiny_config

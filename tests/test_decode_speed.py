@@ -1,5 +1,6 @@
 """benchmarks/decode_speed.py's pass profile on tiny untrained models (no data, seconds)."""
 
+import functools
 import math
 import types
 
@@ -10,6 +11,7 @@ import pytest
 
 from benchmarks import decode_speed, floors
 from components.tokenizer import EOS_ID, MASK_ID, PAD_ID
+from model.decoding import beam_search
 from model.models import ARModel, PaDIRModel, masked_hypothesis
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB
 
@@ -124,8 +126,8 @@ def test_greedy_floor_steps_are_greedys_steps():
     model = ARModel(CONFIG, VOCAB)
     params = jax.jit(model.init)(jax.random.key(0), BATCH)
     encoded, memory_mask = jax.jit(model.encode)(params, BATCH["source"])
-    tokens = np.asarray(jax.jit(model.greedy, static_argnums=3)(params, encoded, memory_mask,
-                                                                 MAX_LEN))
+    greedy = jax.jit(functools.partial(beam_search.greedy, model), static_argnums=3)
+    tokens = np.asarray(greedy(params, encoded, memory_mask, MAX_LEN))
     for steps in (1, 3):
         last = floors.greedy_steps(model, params, encoded, memory_mask, steps, slots=MAX_LEN)
         before = ~np.any(tokens[:, :steps - 1] == EOS_ID, axis=1)  # rows still decoding

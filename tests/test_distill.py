@@ -293,7 +293,8 @@ def test_distill_is_a_padir_stage(config):
 def _translate(config, settings: DistillConfig, count: int = 8):
     """The teacher's translations of the first `count` train sources: (loaded, sources,
     translation records)."""
-    from model import trained_model, translator
+    from model import trained_model
+    from model.decoding import translator
 
     sources = [pair["source"] for pair in corpus.read_split(
         dag.output_uri(config, "prepare"), "train")][:count]

@@ -1,9 +1,10 @@
-"""Tests for model/draft_verify.py: with exact verification the output is the teacher's
+"""Tests for model/decoding/draft_verify.py: with exact verification the output is the teacher's
 greedy output token for token, whatever the draft (right, wrong, ending early or late, rows
 finishing at different rounds), the teacher's cache carried across rounds, and the rounds
 and accepted tokens say what it cost."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 
 from components.config import ConfigError, DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID
-from model import draft_verify
+from model.decoding import beam_search, draft_verify
 from tiny_models import (BATCH, FIRST_REAL, MAX_LEN, VOCAB, memorised_ar, memorised_drafter,
                          pairs)
 
@@ -31,7 +32,7 @@ class Fixed:
 
 def _teacher_greedy(source):
     teacher, params = memorised_ar()
-    return np.asarray(jax.jit(teacher.greedy, static_argnums=3)(
+    return np.asarray(jax.jit(functools.partial(beam_search.greedy, teacher), static_argnums=3)(
         params, *teacher.encode(params, source), MAX_LEN))
 
 

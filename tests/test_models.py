@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
+from model.decoding import beam_search
 from model.losses import LossSettings
 from model.models import (ARModel, DrafterModel, PaDIRModel, masked_hypothesis,
                           truncate_after_eos)
@@ -58,9 +59,10 @@ def test_ar_overfits_and_decodes_its_targets(ar_trained):
     assert set(metrics) == {"loss", "weights", "tokens", "accuracy"}
     assert metrics["weights"] == np.sum(np.asarray(BATCH["target"]) != PAD_ID)
     assert loss < 0.5, loss
-    greedy = jax.jit(model.predict_batch)(params, BATCH)
+    greedy = jax.jit(functools.partial(beam_search.predict_greedy, model))(params, BATCH)
     np.testing.assert_array_equal(greedy, BATCH["target"])
-    beam = jax.jit(model.beam_search, static_argnames="beam_size")
+    beam = jax.jit(functools.partial(beam_search.predict_beam, model),
+                   static_argnames="beam_size")
     tokens, scores = beam(params, BATCH, beam_size=1, length_penalty=0.6)
     np.testing.assert_array_equal(tokens, greedy)  # finished hypotheses: beam 1 is greedy
     tokens, scores = beam(params, BATCH, beam_size=4, length_penalty=0.6)
@@ -127,10 +129,10 @@ def test_ar_searches_over_a_shortlist_holding_the_answer_decode_the_same(ar_trai
     width = BATCH["target"].shape[1]
     vocab_ids = _shortlist_of(BATCH["target"])
     assert len(vocab_ids) < VOCAB
-    greedy = jax.jit(model.greedy, static_argnums=3)
+    greedy = jax.jit(functools.partial(beam_search.greedy, model), static_argnums=3)
     np.testing.assert_array_equal(
         greedy(params, encoded, memory_mask, width, vocab_ids), BATCH["target"])
-    beam = jax.jit(model.beam, static_argnums=(3, 4))
+    beam = jax.jit(functools.partial(beam_search.beam, model), static_argnums=(3, 4))
     full_tokens, full_scores = beam(params, encoded, memory_mask, width, 4)
     tokens, scores = beam(params, encoded, memory_mask, width, 4, 0.6, vocab_ids)
     np.testing.assert_array_equal(tokens, full_tokens)
@@ -144,7 +146,7 @@ def test_ar_searches_emit_only_shortlisted_ids(ar_trained):
     width = BATCH["target"].shape[1]
     missing = int(BATCH["target"][0, 0])  # the first answer is not in the shortlist
     vocab_ids = np.setdiff1d(np.arange(VOCAB), [missing]).astype(np.int32)
-    tokens = jax.jit(model.greedy, static_argnums=3)(
+    tokens = jax.jit(functools.partial(beam_search.greedy, model), static_argnums=3)(
         params, encoded, memory_mask, width, jnp.asarray(vocab_ids))
     assert int(tokens[0, 0]) != missing
     assert np.all(np.isin(np.asarray(tokens), vocab_ids))

@@ -1,4 +1,4 @@
-"""Tests for model/refinement.py: oracles pin down passes and re-masking; a tiny trained
+"""Tests for model/decoding/refinement.py: oracles pin down passes and re-masking; a tiny trained
 PaDIR model checks that every decoder emits valid sequences."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import EOS_ID, MASK_ID, NUM_RESERVED, PAD_ID
-from model import refinement
+from model.decoding import refinement
 from model.models import ARModel, masked_hypothesis
 from model.transformer import mask_non_target_ids
 from tiny_models import BATCH, CONFIG, FIRST_REAL, MAX_LEN, VOCAB, memorised_padir
@@ -390,7 +390,7 @@ def test_a_pass_recomputes_nothing_that_is_fixed_across_passes(trained):
     assert _loop_body_ops(compiled, "exponential") == 2 * CONFIG.num_decoder_layers + 1
 
 
-# --- shortlists (model/shortlist.py) --------------------------------------------------------
+# --- shortlists (model/decoding/shortlist.py) -----------------------------------------------------
 
 
 def test_read_logits_over_a_shortlist_reads_the_full_logits_restricted_to_it():

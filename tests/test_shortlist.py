@@ -1,9 +1,9 @@
-"""Tests for model/shortlist.py: what a table holds and what a batch selects from it."""
+"""Tests for model/decoding/shortlist.py: what a table holds and what a batch selects from it."""
 
 import numpy as np
 
 from components.tokenizer import EOS_ID, NUM_RESERVED
-from model import shortlist
+from model.decoding import shortlist
 
 VOCAB = 300
 R = NUM_RESERVED

@@ -2,6 +2,7 @@
 and end-to-end runs of the real teacher and student models (tiny configs)."""
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -213,16 +214,18 @@ TINY_LOOP = TrainLoopConfig(log_every=2, eval_every=2, checkpoint_every=2,
 
 
 def test_teacher_trains_with_the_real_ar_model(tmp_path):
+    from model.decoding import beam_search
     from model.models import ARModel
 
     cfg = TeacherConfig(model=TINY, optimizer=toy.OPTIMIZER, loop=TINY_LOOP, steps=3,
                         label_smoothing=0.1)
     dev = toy.dev_batches()
+    model = ARModel(cfg.model, toy.VOCAB, label_smoothing=cfg.label_smoothing)
     result = train.train_teacher(
-        ARModel(cfg.model, toy.VOCAB, label_smoothing=cfg.label_smoothing),
-        toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
-                 detokenize=_detokenize, references=_references(dev)),
+        model, toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
+                        detokenize=_detokenize, references=_references(dev)),
         cfg, MeshConfig(), checkpoint_dir=str(tmp_path / "teacher"), seed=0,
+        predict=functools.partial(beam_search.predict_greedy, model),
     )
     assert result.completed and int(result.state.step) == 3
     assert np.isfinite(result.dev_metrics["loss"]) and "bleu" in result.dev_metrics
@@ -230,6 +233,7 @@ def test_teacher_trains_with_the_real_ar_model(tmp_path):
 
 @pytest.mark.slow  # about a minute on 2 cores: both phases of the real model
 def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
+    from model.decoding import refinement
     from model.models import PaDIRModel
 
     # With an average of the parameters and a warm start, as the benchmark trains it: the
@@ -243,6 +247,7 @@ def test_student_trains_both_phases_with_the_real_padir_model(tmp_path):
         model, toy.data(toy.make_batches(seed=0, batch_size=8), dev_batches=dev,
                         detokenize=_detokenize, references=_references(dev)),
         cfg, MeshConfig(), checkpoint_dir=str(tmp_path / "student"), seed=0,
+        predict=refinement.dev_predict(model),
         warm_start=lambda params: jax.tree.map(lambda x: x + 0.01, params),
     )
     assert result.completed and int(result.state.step) == 2

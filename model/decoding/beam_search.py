@@ -1,6 +1,9 @@
 """Autoregressive search with a KV cache: greedy and beam search (static shapes, jit-able).
 
-Both are pure functions over a callback
+`greedy` and `beam` decode an `ARModel` (model/models.py) batch after its encoder;
+`predict_greedy` and `predict_beam` a batch of sources (what the training loop's dev
+evaluation and the teacher's final dev decoding run). Both searches are pure functions
+over a callback
 
     tokens_to_logits(ids int32[N, 1], cache) -> (logits float32[N, V], new cache)
 
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.models import ARModel, Batch, output_length
 from model.transformer import argmax_last
 
 TokensToLogits = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
@@ -233,3 +237,48 @@ def beam_search(
     )
     scores, order = jax.lax.top_k(scores, beams)  # [B, K], descending
     return _gather_beams(seqs, order)[:, :, 1:], scores
+
+
+def greedy(model: ARModel, params: Any, encoded: jax.Array, memory_mask: jax.Array,
+           max_len: int, vocab_ids: jax.Array | None = None) -> jax.Array:
+    """Greedy decoding of an encoded batch (`ARModel.encode`); the loop stops when every
+    row has emitted EOS. `vocab_ids`: a shortlist to decode over (default: all ids).
+    Returns int32[B, max_len]: ids up to and including EOS, then 0."""
+    cache = model.init_cache(params, encoded, memory_mask, max_len)
+    return greedy_search(
+        model.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids), cache,
+        batch_size=encoded.shape[0], max_len=max_len, vocab_ids=vocab_ids)
+
+
+def beam(model: ARModel, params: Any, encoded: jax.Array, memory_mask: jax.Array,
+         max_len: int, beam_size: int, length_penalty: float = 0.6,
+         vocab_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Beam search of an encoded batch (GNMT length penalty exponent `length_penalty`
+    >= 0; `vocab_ids` as `greedy`): the best hypothesis int32[B, max_len] and its
+    length-penalised log-probability float32[B]. `beam_size` must be static under jit."""
+    batch_size = encoded.shape[0]
+    # Row b * K + k is beam k of example b.
+    encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
+    memory_mask = jnp.repeat(memory_mask, beam_size, axis=0)  # [B * K, S]
+    cache = model.init_cache(params, encoded, memory_mask, max_len)
+    seqs, scores = beam_search(
+        model.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids), cache,
+        batch_size=batch_size, beam_size=beam_size, max_len=max_len, alpha=length_penalty,
+        vocab_ids=vocab_ids)  # [B, K, T], [B, K]
+    return seqs[:, 0], scores[:, 0]
+
+
+def predict_greedy(model: ARModel, params: Any, batch: Batch) -> jax.Array:
+    """Greedy decoding of `batch["source"]` into its target width (else max_target_len):
+    int32[B, T]."""
+    encoded, memory_mask = model.encode(params, batch["source"])
+    return greedy(model, params, encoded, memory_mask, output_length(model.config, batch))
+
+
+def predict_beam(model: ARModel, params: Any, batch: Batch, beam_size: int,
+                 length_penalty: float = 0.6) -> tuple[jax.Array, jax.Array]:
+    """Beam search of `batch["source"]` (as `beam`) into its target width (else
+    max_target_len)."""
+    encoded, memory_mask = model.encode(params, batch["source"])
+    return beam(model, params, encoded, memory_mask, output_length(model.config, batch),
+                beam_size, length_penalty)

@@ -16,12 +16,12 @@ network (model/transformer.py):
     kv, D]; queries scaled by kv**-0.5            q and fused kv (cross); the same scaling
   tied output projection on y * D**-0.5         decoder.projection = the embedding,
                                                   scale_outputs = D**-0.5
-  logits of pad, BOS, [MASK], [LENGTH] masked   `suppress_sequences` (model/ctranslate2_search.py)
+  logits of pad, BOS, [MASK], [LENGTH] masked   `suppress_sequences` (ctranslate2_search.py)
 
 The vocabulary is the SentencePiece model's pieces in id order (ids are equal), the same
 for source and target. Sources are given with their EOS piece, as our encoder reads them.
 
-A shortlist table (model/shortlist.py) can go with the export as CTranslate2's vocabulary
+A shortlist table (model/decoding/shortlist.py) can go with the export as CTranslate2's vocabulary
 map (`vmap.txt`, read when `translate_batch(use_vmap=True)`): a line with no source piece
 lists the pieces always scored, and a line per real source piece its own piece and the
 pieces most associated with it, so that a batch scores the same union as our `select`
@@ -39,7 +39,7 @@ import numpy as np
 from components.config import ModelConfig
 from components.tokenizer import BOS_ID, EOS_ID, NUM_RESERVED, UNK_ID
 from components.tokenizer import RESERVED_PIECES
-from model import shortlist
+from model.decoding import shortlist
 
 RMS_NORM_EPSILON = 1e-6  # flax.linen.RMSNorm's default, which model/transformer.py keeps
 SPM_FILE = "spm.model"  # the SentencePiece model, copied beside the export for users

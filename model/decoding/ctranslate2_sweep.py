@@ -2,7 +2,7 @@
 
 CTranslate2's docs: `intra_threads` (the threads of one translation) at most the physical
 cores, 1 being best for a small model at batch 1; `inter_threads` (translations in
-parallel, model/ctranslate2_search.py cuts a batch into that many) for batched throughput.
+parallel, model/decoding/ctranslate2_search.py cuts a batch into that many) for batched throughput.
 Which setting wins depends on the model, the search, the machine and what else runs on it,
 so the decode stage times these grids for each CTranslate2 method before it decodes, and
 decodes each pass with its regime's fastest:
@@ -29,8 +29,9 @@ import time
 from typing import Any, Mapping, Sequence
 
 from components.config import DecodeMethod
-from model import ctranslate2_search, trained_model, translator
-from model.ctranslate2_search import Threads
+from model import trained_model
+from model.decoding import ctranslate2_search, translator
+from model.decoding.ctranslate2_search import Threads
 
 log = logging.getLogger(__name__)
 

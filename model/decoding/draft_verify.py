@@ -156,7 +156,7 @@ def draft_verify(
       draft_passes: drafter passes per draft, >= 1 (static).
       top_k: 1 for exact verification, else the tolerant variant's top-k (static).
       margin: the tolerant variant's log-probability margin (>= 0).
-      vocab_ids: a shortlist the drafter drafts over (model/shortlist.py); the teacher
+      vocab_ids: a shortlist the drafter drafts over (model/decoding/shortlist.py); the teacher
         always verifies over all ids, so exactness does not depend on it.
 
     Returns:

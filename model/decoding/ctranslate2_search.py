@@ -1,13 +1,13 @@
 """An AR model (the teacher, or the AR student: `DecodeMethod.model`) decoded by
 CTranslate2: the `ct2_greedy` and `ct2_beam` kinds.
 
-A `Translator` (model/translator.py) of these kinds hands each batch to `Search` instead of
-its jitted JAX calls; everything around it (tokenisation, the source cut to the widest
-bucket, the output cap, filler-free batches, the records) is the Translator's, so the rows
-compare with ours sentence for sentence. The model is exported once per process and
-artifact (model/ctranslate2_export.py, float32, into a temporary directory; with a
-vocabulary map when the method has `shortlist`) and served by a `Worker`: a child process
-(model/ctranslate2_worker.py) that imports CTranslate2 and never JAX, one per export,
+A `Translator` (translator.py) of these kinds hands each batch to `Search` instead of its
+jitted JAX calls; everything around it (tokenisation, the source cut to the widest bucket,
+the output cap, filler-free batches, the records) is the Translator's, so the rows compare
+with ours sentence for sentence. The model is exported once per machine and kept
+(ctranslate2_export.py, float32, into `$XDG_CACHE_HOME/padir/ctranslate2`: `export_dir`;
+with a vocabulary map when the method has `shortlist`) and served by a `Worker`: a child
+process (ctranslate2_worker.py) that imports CTranslate2 and never JAX, one per export,
 compute type (`float32`, or `int8`: weights quantised when CTranslate2 loads them) and
 `Threads`, started on first use and closed when this process exits.
 
@@ -16,7 +16,7 @@ several-fold slower (the demo's teacher at batch 1: 24 ms a sentence in the deco
 process, 4 ms alone). In the worker, only the parent's idle threads are beside it: the
 parent waits on the pipe while the worker translates.
 
-Search settings, against ours (model/beam_search.py):
+Search settings, against ours (model/decoding/beam_search.py):
   * the same output cap (`max_decoding_length`, EOS counted), no minimum length, and the
     ids ours masks (pad, BOS, [MASK], [LENGTH]) suppressed;
   * greedy is token for token ours (tests/test_ctranslate2.py);
@@ -26,12 +26,12 @@ Search settings, against ours (model/beam_search.py):
     penalty ((5 + length) / 6) ** length_penalty. At length_penalty 0 the two are token
     for token equal; at 0.6 a sentence may end on another hypothesis;
   * `shortlist`: CTranslate2's own shortlist, its vocabulary map (`use_vmap`), built from
-    the same table as ours (model/shortlist.py; ours pads its selection with frequent
+    the same table as ours (model/decoding/shortlist.py; ours pads its selection with frequent
     pieces to a size step, CTranslate2 does not).
 
 Threads (`Threads`: CTranslate2's `intra_threads`, the threads of one translation, and
 `inter_threads`, translations run in parallel): the decode stage chooses them per regime
-by timing (model/ctranslate2_sweep.py); elsewhere (distillation, `padir translate`) one
+by timing (model/decoding/ctranslate2_sweep.py); elsewhere (distillation, `padir translate`) one
 translation at a time over the CPUs this process may run on. A batch is cut into
 `inter_threads` sub-batches (`max_batch_size`), which CTranslate2 translates in parallel.
 
@@ -45,8 +45,11 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import inspect
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,14 +59,14 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
+from components import datasets
 from components.config import DecodeMethod
 from components.tokenizer import PAD_ID
-from model import ctranslate2_export, shortlist
+from model.decoding import ctranslate2_export, shortlist
 from model.transformer import NON_TARGET_IDS
 
 KINDS = ("ct2_greedy", "ct2_beam")
 _LOCK = threading.Lock()
-_EXPORTS: dict[tuple[str, bool], tempfile.TemporaryDirectory] = {}  # (URI, vmap) -> export
 _WORKERS: dict[tuple, "Worker"] = {}  # (model dir, device, compute type, Threads) -> worker
 
 
@@ -99,7 +102,7 @@ def pieces(loaded: Any) -> list[str]:
 
 
 class Worker:
-    """A CTranslate2 translator in a child process (model/ctranslate2_worker.py).
+    """A CTranslate2 translator in a child process (model/decoding/ctranslate2_worker.py).
 
     Raises WorkerError, with the worker's traceback, if it cannot load the model.
     """
@@ -108,7 +111,7 @@ class Worker:
         self.description = f"CTranslate2 worker ({model_dir}, {compute_type}, {threads})"
         self._lock = threading.Lock()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "model.ctranslate2_worker"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "model.decoding.ctranslate2_worker"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE)
         try:
             self._exchange({"model_dir": model_dir, "device": device,
@@ -160,19 +163,45 @@ def _close_workers() -> None:
         _WORKERS.clear()
 
 
+def export_key(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> str:
+    """A hash of everything an export reads: the exporter's code, the model config, the
+    parameters, the pieces and the vocabulary map."""
+    digest = hashlib.sha256(inspect.getsource(ctranslate2_export).encode())
+    digest.update(repr(loaded.model.config).encode())
+    digest.update("\n".join(pieces(loaded)).encode())
+    for path, leaf in jax.tree_util.tree_leaves_with_path(loaded.params):
+        digest.update(jax.tree_util.keystr(path).encode())
+        digest.update(np.ascontiguousarray(np.asarray(leaf, np.float32)).tobytes())
+    if vocabulary_map is not None:
+        for table in dataclasses.astuple(vocabulary_map):
+            digest.update(np.ascontiguousarray(table).tobytes())
+    return digest.hexdigest()[:16]
+
+
 def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> str:
     """The CTranslate2 model directory of a loaded AR model (model/trained_model.py
-    `LoadedModel`), with the vocabulary map of `vocabulary_map` if given; exported once
-    per process."""
-    key = (loaded.uri, vocabulary_map is not None)
+    `LoadedModel`), with the vocabulary map of `vocabulary_map` if given.
+
+    Exported once per machine and kept, like the compiled XLA programs, under
+    `$XDG_CACHE_HOME/padir/ctranslate2/<export_key>` (a rerun of the decode stage, `padir
+    translate` or a benchmark over the same model reuses it); written to a partial
+    directory and renamed into place, so that a killed export leaves nothing a reader
+    takes, and two processes exporting at once keep the first."""
+    directory = os.path.join(datasets.cache_dir(name="ctranslate2"),
+                             export_key(loaded, vocabulary_map))
     with _LOCK:
-        if key not in _EXPORTS:
-            directory = tempfile.TemporaryDirectory(prefix="padir-ct2-")
+        if not os.path.isdir(directory):
+            os.makedirs(os.path.dirname(directory), exist_ok=True)
+            partial = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".partial-",
+                                       dir=os.path.dirname(directory))
             ctranslate2_export.export(loaded.model.config, loaded.params, pieces(loaded),
-                                      os.path.join(directory.name, "model"),
+                                      os.path.join(partial, "model"),
                                       vocabulary_map=vocabulary_map)
-            _EXPORTS[key] = directory
-        return os.path.join(_EXPORTS[key].name, "model")
+            try:
+                os.rename(partial, directory)
+            except OSError:  # another process put its export there first
+                shutil.rmtree(partial)
+        return os.path.join(directory, "model")
 
 
 def worker(model_dir: str, compute_type: str, threads: Threads) -> Worker:
@@ -192,7 +221,7 @@ class Search:
 
     Args:
       threads: CTranslate2's threads (default: one translation over all `cpus()`).
-      vocabulary_map: the shortlist table (model/shortlist.py) of a `shortlist` method.
+      vocabulary_map: the shortlist table (model/decoding/shortlist.py) of a `shortlist` method.
     """
 
     def __init__(self, loaded: Any, method: DecodeMethod, *, threads: Optional[Threads] = None,

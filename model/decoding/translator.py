@@ -25,12 +25,12 @@ discarded: a copy finishes when its original does, so filler rows never lengthen
 those traces) and, for the PaDIR kinds, once per width T (`WIDTH_TRACES`).
 
 Shortlist (`DecodeMethod.shortlist`, every kind): each batch decodes over the target pieces
-its sources can need (`model/shortlist.py`: frequent pieces, the source's own pieces, the
+its sources can need (`model/decoding/shortlist.py`: frequent pieces, the source's own pieces, the
 pieces most associated with them), selected on the host per batch from a table built from
 the model's own training pairs (the `encode` or `encode_distilled` artifact its manifest
 names), once per process (`shortlist_table`). The search then compiles once per width and
 shortlist size (a multiple of `shortlist.SIZE_STEP`). The CTranslate2 kinds get the same
-table as CTranslate2's vocabulary map (model/ctranslate2_search.py).
+table as CTranslate2's vocabulary map (model/decoding/ctranslate2_search.py).
 
 Timing. A batch whose shapes (S, cap, T) were not met before is decoded twice and timed the
 second time (the first compiles):
@@ -43,7 +43,7 @@ is `batch_seconds` divided by the number of real sentences in the batch (an amor
 not a latency a user would see).
 
 Decoder passes per sentence (the sequential decoder calls, which set the latency on an
-accelerator at batch 1): for the NAR kinds what `model.refinement` reports (the teacher's
+accelerator at batch 1): for the NAR kinds what `model.decoding.refinement` reports (the teacher's
 scoring pass counted for `refine_rescored`); for `draft_verify` rounds x (drafter passes per
 draft + the teacher's pass); for the AR kinds the hypothesis length counting EOS (the steps
 that produced it; beam search may run a few more steps before it knows no live beam can
@@ -77,7 +77,9 @@ from components import artifacts, records
 from components import config as config_lib
 from components.config import DecodeMethod
 from components.tokenizer import EOS_ID, PAD_ID
-from model import ctranslate2_search, draft_verify, refinement, shortlist, trained_model
+from model import trained_model
+from model.decoding import (beam_search, ctranslate2_search, draft_verify, refinement,
+                            shortlist)
 from model.trained_model import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -207,13 +209,13 @@ def _search_batch(model: Any, method: DecodeMethod, params: Any, encoded: Any,
 
 
 def _ar_greedy(model, method, params, encoded, vocab_ids, *, width):
-    return {"tokens": model.greedy(params, *encoded, width, vocab_ids), "scores": None,
-            "passes": None}
+    return {"tokens": beam_search.greedy(model, params, *encoded, width, vocab_ids),
+            "scores": None, "passes": None}
 
 
 def _ar_beam(model, method, params, encoded, vocab_ids, *, width):
-    tokens, scores = model.beam(params, *encoded, width, method.beam_size,
-                                method.length_penalty, vocab_ids)
+    tokens, scores = beam_search.beam(model, params, *encoded, width, method.beam_size,
+                                      method.length_penalty, vocab_ids)
     return {"tokens": tokens, "scores": scores, "passes": None}
 
 
@@ -277,7 +279,7 @@ class Translator:
       rescorer: the model that picks among the candidates of a rescored kind
         (`DecodeMethod.rescorer`: the teacher); default the one `loaded` was trained from
         (`upstream`: the teacher that distilled its data). None for the other kinds.
-      ctranslate2_threads: the CTranslate2 kinds' threads (model/ctranslate2_search.py
+      ctranslate2_threads: the CTranslate2 kinds' threads (model/decoding/ctranslate2_search.py
         `Search`); None for the other kinds.
     """
 
@@ -383,7 +385,7 @@ class Translator:
               ) -> tuple[dict[str, jax.Array], float, float, float, int, int]:
         """Both calls, timed: (output, seconds, encode seconds, search seconds, width,
         columns scored). The shortlist is selected on the host, timed with the width.
-        The CTranslate2 kinds time their own call (model/ctranslate2_search.py)."""
+        The CTranslate2 kinds time their own call (model/decoding/ctranslate2_search.py)."""
         if self._ctranslate2 is not None:
             return self._ctranslate2(source, max_len)
         started = time.perf_counter()

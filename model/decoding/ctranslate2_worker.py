@@ -2,8 +2,8 @@
 
 CTranslate2's threads must not share their cores with another runtime's busy threads
 (XLA's pool, in the process that decodes with JAX): in that process it ran ~6x slower at
-batch 1 than alone. model/ctranslate2_search.py therefore starts this module as a child
-process (`python -m model.ctranslate2_worker`), one per model, compute type and thread
+batch 1 than alone. model/decoding/ctranslate2_search.py therefore starts this module as a child
+process (`python -m model.decoding.ctranslate2_worker`), one per model, compute type and thread
 setting, and speaks to it over its stdin and stdout in pickled messages:
 
     parent -> worker   {"model_dir", "device", "compute_type", "intra_threads",

@@ -39,7 +39,7 @@ Definitions shared by the three decoders:
   position L-1 holds EOS, positions >= L hold PAD, in every hypothesis and in the output.
 * **Distribution**: the logits are restricted to target ids (`mask_non_target_ids`: never
   PAD, BOS, MASK, LENGTH); probabilities are the softmax over them. With a shortlist
-  (`vocab_ids`, model/shortlist.py) every decoder scores only those ids: logits are
+  (`vocab_ids`, model/decoding/shortlist.py) every decoder scores only those ids: logits are
   [N, T, K], column i is id vocab_ids[i], and the softmax is over the shortlist.
 * **Output tokens** at content positions are real pieces only (ids >= NUM_RESERVED: never
   EOS or UNK inside a sentence), so a decoded row is `pieces..., EOS, PAD...`.
@@ -420,7 +420,7 @@ def refine(
       candidates: from `predict_candidates`.
       width: T >= every candidate length (static; `output_width`).
       max_iterations: the most passes, >= 1 (static).
-      vocab_ids: int32[K], a shortlist to decode over (model/shortlist.py: sorted, the
+      vocab_ids: int32[K], a shortlist to decode over (model/decoding/shortlist.py: sorted, the
         reserved ids first); default all ids.
 
     Returns:
@@ -525,6 +525,16 @@ def predict_refined(model: NARModel, params: Params, batch: dict[str, jax.Array]
     candidates = predict_candidates(model, params, batch["source"], num_length_candidates=1,
                                     length_offsets=(0,), max_len=width)
     return refine(model, params, candidates, width=width, max_iterations=max_iterations).tokens
+
+
+# The student's dev BLEU during training is of PaDIR-4 (the refinement the test set's
+# headline figure decodes with), not of a single pass.
+DEV_ITERATIONS = 4
+
+
+def dev_predict(model: NARModel) -> Callable[[Params, dict[str, jax.Array]], jax.Array]:
+    """The student's dev decoding while it trains: `predict_refined` at DEV_ITERATIONS."""
+    return functools.partial(predict_refined, model, max_iterations=DEV_ITERATIONS)
 
 
 # --- Mask-Predict ---------------------------------------------------------------------
