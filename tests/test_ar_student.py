@@ -8,13 +8,11 @@ reject them all), is stopped by SIGTERM after step 2 and resumed, then decoded b
 kinds with `model: ar_student`, on our search and on CTranslate2.
 """
 
-import dataclasses
 import io
 import json
 import logging
 import os
 import re
-import signal
 
 import jax
 import numpy as np
@@ -29,7 +27,8 @@ from model import train, trained_model
 from model.decoding import translator
 from pipelines import decode, training
 from pipelines import score as score_stage
-from tiny_experiment import TINY_MODEL, ensure, publish_untrained, tiny_config
+from tiny_experiment import (TINY_MODEL, ensure, publish_untrained, stop_after_step,
+                             tiny_config)
 
 METHODS = [{"name": "ar_student_greedy", "kind": "ar_greedy", "model": "ar_student"},
            {"name": "ct2_ar_student", "kind": "ct2_greedy", "model": "ar_student"}]
@@ -44,24 +43,6 @@ def config(tiny_workdir):
         "encode.num_shards=2", f"ar_student.model={ {**TINY_MODEL, 'num_encoder_layers': 2} }",
         f"decode.methods={json.dumps(METHODS)}", "decode.max_sentences=4",
         "decode.throughput_batch_size=4", "decode.latency_sentences=2")
-
-
-def _stop_after_step(step: int, monkeypatch) -> None:
-    """SIGTERM while the loop fetches batch `step` (the loop defers it to that step's end)."""
-    real = training.training_data
-
-    def interrupted(config, stage, tokenizer):
-        data = real(config, stage, tokenizer)
-
-        def batches(position):
-            for i, item in enumerate(data.batches(position), 1):
-                if i == step:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                yield item
-
-        return dataclasses.replace(data, batches=batches)
-
-    monkeypatch.setattr(training, "training_data", interrupted)
 
 
 def test_it_starts_from_the_teacher_where_shapes_agree(config):
@@ -85,7 +66,7 @@ def test_it_starts_from_the_teacher_where_shapes_agree(config):
 def test_it_trains_on_the_students_data_resumes_and_publishes(config, monkeypatch, caplog):
     ensure(config, "prepare", "vocab", "encode")
     publish_untrained(config, "teacher")
-    _stop_after_step(2, monkeypatch)
+    stop_after_step(2, monkeypatch)
     with caplog.at_level(logging.INFO, logger="model"):
         with pytest.raises(artifacts.StageStopped, match="ar_student stopped at step 2"):
             run_stage("ar_student", config)

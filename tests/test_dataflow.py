@@ -204,7 +204,8 @@ def test_the_worker_image_builds_its_wheel_from_the_files_it_copies(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = os.listdir(tmp_path / "dist")
     with zipfile.ZipFile(tmp_path / "dist" / wheel) as f:
-        packages = {name.split("/")[0] for name in f.namelist() if name.endswith("/__init__.py")}
+        packages = {os.path.dirname(name).replace("/", ".") for name in f.namelist()
+                    if name.endswith("/__init__.py")}
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"])
     assert packages == listed - {"benchmarks"}

@@ -9,12 +9,9 @@ distillation would reject them all), is stopped by SIGTERM after step 2 and resu
 translates with `padir translate`, verified by the teacher it started from.
 """
 
-import dataclasses
 import io
 import logging
-import os
 import re
-import signal
 
 import jax
 import numpy as np
@@ -29,7 +26,8 @@ from model import train, trained_model
 from model.decoding import translator
 from model.models import DrafterModel
 from pipelines import training
-from tiny_experiment import TINY_MODEL, ensure, publish_untrained, tiny_config
+from tiny_experiment import (TINY_MODEL, ensure, publish_untrained, stop_after_step,
+                             tiny_config)
 
 METHODS = '[{name: draft_verify, kind: draft_verify, iterations: 1}]'
 
@@ -42,24 +40,6 @@ def config(tiny_workdir):
         tiny_workdir, "distill.enabled=false", "encode.bucket_boundaries=[64]",
         "encode.num_shards=2", f"drafter.model={ {**TINY_MODEL, 'num_encoder_layers': 2} }",
         "drafter.block=4", f"decode.methods={METHODS}")
-
-
-def _stop_after_step(step: int, monkeypatch) -> None:
-    """SIGTERM while the loop fetches batch `step` (the loop defers it to that step's end)."""
-    real = training.training_data
-
-    def interrupted(config, stage, tokenizer):
-        data = real(config, stage, tokenizer)
-
-        def batches(position):
-            for i, item in enumerate(data.batches(position), 1):
-                if i == step:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                yield item
-
-        return dataclasses.replace(data, batches=batches)
-
-    monkeypatch.setattr(training, "training_data", interrupted)
 
 
 def test_it_runs_only_when_a_method_drafts_with_it(config):
@@ -94,7 +74,7 @@ def test_it_starts_from_the_teacher_where_shapes_agree(config):
 def test_it_trains_on_the_students_data_resumes_and_publishes(config, monkeypatch, caplog):
     ensure(config, "prepare", "vocab", "encode")
     publish_untrained(config, "teacher")
-    _stop_after_step(2, monkeypatch)
+    stop_after_step(2, monkeypatch)
     with caplog.at_level(logging.INFO, logger="model"):
         with pytest.raises(artifacts.StageStopped, match="drafter stopped at step 2"):
             run_stage("drafter", config)

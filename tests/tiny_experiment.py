@@ -6,8 +6,10 @@ The stage tests share one workdir per session (conftest's `tiny_workdir`): artif
 the same key (prepare and vocab for all of them) are computed once, by `ensure`.
 """
 
+import dataclasses
 import json
 import os
+import signal
 
 import pytest
 
@@ -108,3 +110,24 @@ def publish_prepared(config: config_lib.Config, splits: dict[str, list[dict]]) -
                 with open(out.path(f"{split}-{shard:05d}-of-00002.jsonl"), "w") as f:
                     for pair in pairs[shard::2]:
                         f.write(json.dumps(pair, ensure_ascii=False) + "\n")
+
+
+def stop_after_step(step: int, monkeypatch) -> None:
+    """SIGTERM while a training stage's loop fetches batch `step` (the loop defers it to
+    that step's end): the stage stops there as a preempted one does."""
+    from pipelines import training  # JAX: imported here, as in `publish_untrained`
+
+    real = training.training_data
+
+    def interrupted(config, stage, tokenizer):
+        data = real(config, stage, tokenizer)
+
+        def batches(position):
+            for i, item in enumerate(data.batches(position), 1):
+                if i == step:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield item
+
+        return dataclasses.replace(data, batches=batches)
+
+    monkeypatch.setattr(training, "training_data", interrupted)
