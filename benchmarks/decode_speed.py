@@ -498,11 +498,16 @@ def profile_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
+def _source_ids(loaded: trained_model.LoadedModel, text: str, boundaries: Sequence[int]
+                ) -> list[int]:
+    """A sentence's ids as `Translator` decodes them: cut to the widest bucket, EOS last."""
+    return loaded.tokenizer.encode([text])[0][:boundaries[-1] - 1] + [EOS_ID]
+
+
 def _source_batch(loaded: trained_model.LoadedModel, text: str, boundaries: Sequence[int]
                   ) -> tuple[np.ndarray, int]:
     """One sentence as `Translator` feeds it: (source int32[1, S], output cap)."""
-    widest = boundaries[-1]
-    row = loaded.tokenizer.encode([text])[0][:widest - 1] + [EOS_ID]
+    row = _source_ids(loaded, text, boundaries)
     source_width, max_len = records_lib.decoder_shape(len(row), boundaries)
     source = np.full((1, source_width), PAD_ID, np.int32)
     source[0, :len(row)] = row
@@ -635,9 +640,9 @@ def main(argv=None) -> int:
         for name in names[i % len(names):] + names[:i % len(names)]:
             translations[name].append(latency[name].translate([pair["source"]])[0])
         for name in floor_names:  # each floor right after its method, on the same sentence
-            widest = latency[name].boundaries[-1]
-            ids = latency[name].loaded.tokenizer.encode([pair["source"]])[0][:widest - 1]
-            floor_times[name].append(floor_of(floors[name], known[name].kind, ids + [EOS_ID],
+            floor_times[name].append(floor_of(floors[name], known[name].kind,
+                                              _source_ids(latency[name].loaded, pair["source"],
+                                                          latency[name].boundaries),
                                               latency[name].boundaries,
                                               translations[name][-1]))
     print(f"batch-1 pass: {time.time() - started:.1f} s")
@@ -665,12 +670,10 @@ def main(argv=None) -> int:
         print_floors(translations, floor_times)
     for name in floor_names:
         if known[name].kind == "draft_verify":
-            first = translations[name][0]
-            widest = latency[name].boundaries[-1]
-            ids = latency[name].loaded.tokenizer.encode([pairs[0]["source"]])[0][:widest - 1]
-            source_width, _ = records_lib.decoder_shape(len(ids) + 1, latency[name].boundaries)
+            ids = _source_ids(latency[name].loaded, pairs[0]["source"], latency[name].boundaries)
+            source_width, _ = records_lib.decoder_shape(len(ids), latency[name].boundaries)
             verify, step = floors[name].verify_against_step(
-                ids + [EOS_ID], source_width=source_width, width=first.width)
+                ids, source_width=source_width, width=translations[name][0].width)
             print(f"{name}: the teacher over a block of {latency[name].loaded.model.block + 1} "
                   f"positions over its cache {1e3 * verify:.3f} ms, one cached step "
                   f"{1e3 * step:.3f} ms: {verify / step:.2f}x")

@@ -228,13 +228,16 @@ def draft_verify_name(tokens_per_round: float) -> str:
     return f"draft and verify, {tokens_per_round:g} tok/round"
 
 
-def _calls(method: str, length: int) -> float:
-    """Sequential decoder calls a sentence of `method`."""
-    if method == "AR greedy":
-        return length
-    if method.startswith("PaDIR-"):
-        return int(method.split("-")[1])
-    return 2 * length / float(method.split(", ")[1].split()[0])
+def repeated_work(counts: dict[str, Any], length: int, tokens_per_round: Sequence[float]
+                  ) -> dict[str, tuple[float, Work, int]]:
+    """Per method, what it repeats a sentence: (how many times, the work of one, the
+    sequential calls in one): AR greedy's steps, PaDIR-k's passes, draft and verify's
+    rounds (a drafter pass and a teacher block)."""
+    round_work = Work(*(getattr(counts["draft"], f) + getattr(counts["verify"], f)
+                        for f in ("flops", "bytes", "ops")))
+    return {"AR greedy": (length, counts["step"], 1),
+            **{f"PaDIR-{k}": (k, counts["pass"], 1) for k in crossover.PADIR_PASSES},
+            **{draft_verify_name(t): (length / t, round_work, 2) for t in tokens_per_round}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -281,14 +284,8 @@ def main(argv=None) -> int:
         for method, seconds in predicted.items():
             floor_name = "floor AR" if method == "AR greedy" else f"floor {method}"
             real = floors.get((name, floor_name))
-            calls = _calls(method, length)
-            if method.startswith("draft"):  # a round: a drafter pass and a teacher block
-                rounds = calls / 2
-                unit = Work(*(getattr(c["draft"], f) + getattr(c["verify"], f)
-                              for f in ("flops", "bytes", "ops")))
-            else:
-                rounds = calls
-                unit = c["step"] if method == "AR greedy" else c["pass"]
+            rounds, unit, calls_each = repeated_work(c, length, per_round)[method]
+            calls = rounds * calls_each
             error = None if real is None else 1e3 * seconds / real - 1
             lines.append(f"| {name} | {method} | {rounds * unit.flops / 1e6:.0f} | "
                          f"{rounds * unit.bytes / 1e6:.0f} | {rounds * unit.ops:.0f} | "

@@ -193,30 +193,26 @@ class ARModel(_BaseModel):
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, max_len: int
     ) -> Any:
         """An empty KV cache for `encoded.shape[0]` rows and `max_len` steps (no compute)."""
-
-        def create(params, encoded, memory_mask):
-            inputs = jnp.zeros((encoded.shape[0], max_len), jnp.int32)
-            _, variables = self.module.apply(
-                {"params": params}, encoded, memory_mask, inputs,
-                decode=True, method=ARTransformer.decode, mutable=["cache"],
-            )
-            return variables["cache"]
-
-        shapes = jax.eval_shape(create, params, encoded, memory_mask)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        return self._empty_cache(params, encoded, memory_mask, max_len, block=False)
 
     def init_block_cache(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, length: int
     ) -> Any:
         """An empty cache of `length` positions for `block_logits` (no compute); `length`
         must cover the last block's end (draft and verify: the output cap plus a block)."""
+        return self._empty_cache(params, encoded, memory_mask, length, block=True)
+
+    def _empty_cache(self, params: Params, encoded: jax.Array, memory_mask: jax.Array,
+                     length: int, *, block: bool) -> Any:
+        """The cache the decoder creates on a first call over `length` positions (one
+        step a call, or blocks: `block`), zeros, its shapes found without compute."""
 
         def create(params, encoded, memory_mask):
             rows = encoded.shape[0]
+            mode = {"start": jnp.zeros((rows,), jnp.int32)} if block else {"decode": True}
             _, variables = self.module.apply(
                 {"params": params}, encoded, memory_mask, jnp.zeros((rows, length), jnp.int32),
-                start=jnp.zeros((rows,), jnp.int32), method=ARTransformer.decode,
-                mutable=["cache"],
+                method=ARTransformer.decode, mutable=["cache"], **mode,
             )
             return variables["cache"]
 
@@ -470,13 +466,10 @@ class DrafterModel(_BaseModel):
           int32[B, block].
         """
         width = tokens.shape[1]
-        positions = jnp.arange(width)[None, :]  # [1, T]
-        prefix = positions < length[:, None]  # [B, T]
-        in_block = ~prefix & (positions < (length + self.block)[:, None])  # [B, T]
         outputs = block_positions(length, self.block, width)  # [B, K]
         in_width = length[:, None] + jnp.arange(self.block) < width  # [B, K]
-        hypothesis = jnp.where(prefix, tokens, jnp.where(in_block, MASK_ID, PAD_ID))
-        valid = prefix | in_block
+        hypothesis = noising.block_input(tokens, length, self.block)  # [B, T]
+        valid = hypothesis != PAD_ID  # the prefix (target ids, never PAD) and the block
         for _ in range(passes):
             logits = self.module.apply(
                 {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
@@ -485,9 +478,7 @@ class DrafterModel(_BaseModel):
             if vocab_ids is not None:
                 ids = jnp.take(vocab_ids, ids)
             drafted = jnp.where(in_width, ids, PAD_ID).astype(jnp.int32)  # [B, K]
-            placed = jnp.take_along_axis(drafted, jnp.clip(positions - length[:, None], 0,
-                                                            self.block - 1), axis=1)  # [B, T]
-            hypothesis = jnp.where(in_block, placed, hypothesis)
+            hypothesis = place_block(hypothesis, drafted, length)
         return drafted
 
     def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
@@ -501,13 +492,19 @@ class DrafterModel(_BaseModel):
         def step(i, tokens):
             length = jnp.full((rows,), i * self.block, jnp.int32)
             drafted = self.draft(params, encoded, memory_mask, tokens, length)  # [B, K]
-            at = jnp.arange(width)[None, :] - length[:, None]  # [B, T]
-            placed = jnp.take_along_axis(drafted, jnp.clip(at, 0, self.block - 1), axis=1)
-            return jnp.where((at >= 0) & (at < self.block), placed, tokens)
+            return place_block(tokens, drafted, length)
 
         tokens = jax.lax.fori_loop(0, -(-width // self.block), step,
                                    jnp.zeros((rows, width), jnp.int32))
         return truncate_after_eos(tokens)
+
+
+def place_block(tokens: jax.Array, block: jax.Array, start: jax.Array) -> jax.Array:
+    """`tokens` int32[B, T] with row b's `block` int32[B, K] written at positions start[b]
+    .. start[b] + K - 1 (what passes the width is dropped)."""
+    at = jnp.arange(tokens.shape[1])[None, :] - start[:, None]  # [B, T]
+    placed = jnp.take_along_axis(block, jnp.clip(at, 0, block.shape[1] - 1), axis=1)
+    return jnp.where((at >= 0) & (at < block.shape[1]), placed, tokens)
 
 
 def block_positions(start: jax.Array, block: int, width: int) -> jax.Array:

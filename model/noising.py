@@ -71,10 +71,14 @@ def draft_block(rng: jax.Array, targets: jax.Array, block: int) -> tuple[jax.Arr
     (cut at the width), PAD after.
 
     targets int32[B, T] -> (hypothesis int32[B, T], p int32[B])."""
-    batch, width = targets.shape
     tokens = jnp.sum(targets != PAD_ID, axis=1)  # [B]
-    start = jnp.floor(jax.random.uniform(rng, (batch,)) * tokens).astype(jnp.int32)  # [B]
-    positions = jnp.arange(width)[None, :]  # [1, T]
-    hypothesis = jnp.where(positions < start[:, None], targets, jnp.where(
-        positions < (start + block)[:, None], MASK_ID, PAD_ID))
-    return hypothesis.astype(targets.dtype), start
+    start = jnp.floor(jax.random.uniform(rng, (targets.shape[0],)) * tokens).astype(jnp.int32)
+    return block_input(targets, start, block), start
+
+
+def block_input(tokens: jax.Array, start: jax.Array, block: int) -> jax.Array:
+    """The drafter's input, in training and in drafting alike: tokens[:, :start] kept, then
+    `block` [MASK]s (cut at the width), PAD after. int32[B, T], int32[B] -> int32[B, T]."""
+    positions = jnp.arange(tokens.shape[1])[None, :]  # [1, T]
+    return jnp.where(positions < start[:, None], tokens, jnp.where(
+        positions < (start + block)[:, None], MASK_ID, PAD_ID)).astype(tokens.dtype)

@@ -498,19 +498,14 @@ class ARDecoder(nn.Module):
         cfg = self.config
         batch, length = inputs.shape
         table = _position_table(self, cfg.max_target_len, cfg.d_model)
-        if start is not None:
-            at = start[:, None] + jnp.arange(length)  # [B, T]
-            x = self.shared_embedding(inputs) + jnp.take(table, at, axis=0, mode="clip").astype(
-                cfg.dtype)  # [B, T, D]
-            cross_mask = nn.make_attention_mask(jnp.ones((batch, length), bool), memory_mask)
-            for i in range(cfg.num_decoder_layers):
-                x = DecoderLayer(cfg, block=True, name=f"layer_{i}")(
-                    x, encoded, None, cross_mask, None, True, start)
-            y = _rms_norm(cfg, "final_norm")(x)
-            return _output_logits(cfg, self.shared_embedding, y, vocab_ids)
-        if length > cfg.max_target_len:
+        if length > cfg.max_target_len and start is None:
             raise ValueError(f"target length {length} > max_target_len {cfg.max_target_len}")
-        if decode:
+        if start is not None:  # each row at its own positions
+            at = start[:, None] + jnp.arange(length)  # [B, T]
+            positions = jnp.take(table, at, axis=0, mode="clip")  # [B, T, D]
+            self_mask = None  # the cached attention masks by position itself
+            cross_mask = nn.make_attention_mask(jnp.ones((batch, length), bool), memory_mask)
+        elif decode:
             # The first call (cache creation) sees the full length; later calls one token.
             filled = self.has_variable("cache", "position")
             position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
@@ -533,8 +528,8 @@ class ARDecoder(nn.Module):
         x = self.shared_embedding(inputs) + positions.astype(cfg.dtype)  # [B, T, D]
         x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, decode=decode, name=f"layer_{i}")(
-                x, encoded, self_mask, cross_mask, None, deterministic
+            x = DecoderLayer(cfg, decode=decode, block=start is not None, name=f"layer_{i}")(
+                x, encoded, self_mask, cross_mask, None, deterministic, start
             )
         y = _rms_norm(cfg, "final_norm")(x)
         return _output_logits(cfg, self.shared_embedding, y, vocab_ids)  # [B, T, V or K]

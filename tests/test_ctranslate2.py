@@ -318,7 +318,7 @@ def test_an_export_is_kept_per_model_and_a_partial_one_is_never_read(monkeypatch
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model, params, _ = teacher()
-    loaded = types.SimpleNamespace(model=model, params=params, tokenizer=_Pieces())
+    loaded = types.SimpleNamespace(uri="a", model=model, params=params, tokenizer=_Pieces())
     exports = []
     real = ctranslate2_export.export
     monkeypatch.setattr(ctranslate2_export, "export",
@@ -331,6 +331,6 @@ def test_an_export_is_kept_per_model_and_a_partial_one_is_never_read(monkeypatch
     assert ctranslate2_search.export_dir(loaded, None) == first and len(exports) == 1
     assert _ct2(first, _sources()[:4]) == _rows(_greedy(model)(params, BATCH))
     # Other parameters are another export.
-    other = types.SimpleNamespace(model=model, tokenizer=_Pieces(),
+    other = types.SimpleNamespace(uri="b", model=model, tokenizer=_Pieces(),
                                   params=jax.tree.map(lambda x: x + 0.01, params))
     assert ctranslate2_search.export_dir(other, None) != first and len(exports) == 2

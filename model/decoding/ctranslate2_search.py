@@ -68,6 +68,8 @@ from model.transformer import NON_TARGET_IDS
 KINDS = ("ct2_greedy", "ct2_beam")
 _LOCK = threading.Lock()
 _WORKERS: dict[tuple, "Worker"] = {}  # (model dir, device, compute type, Threads) -> worker
+# (artifact URI, with a vocabulary map) -> its export: the parameters hashed once a process.
+_EXPORTS: dict[tuple[str, bool], str] = {}
 
 
 class WorkerError(RuntimeError):
@@ -187,9 +189,12 @@ def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> st
     translate` or a benchmark over the same model reuses it); written to a partial
     directory and renamed into place, so that a killed export leaves nothing a reader
     takes, and two processes exporting at once keep the first."""
-    directory = os.path.join(datasets.cache_dir(name="ctranslate2"),
-                             export_key(loaded, vocabulary_map))
     with _LOCK:
+        known = (loaded.uri, vocabulary_map is not None)
+        if known in _EXPORTS:
+            return _EXPORTS[known]
+        directory = os.path.join(datasets.cache_dir(name="ctranslate2"),
+                                 export_key(loaded, vocabulary_map))
         if not os.path.isdir(directory):
             os.makedirs(os.path.dirname(directory), exist_ok=True)
             partial = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".partial-",
@@ -201,7 +206,8 @@ def export_dir(loaded: Any, vocabulary_map: Optional[shortlist.Shortlist]) -> st
                 os.rename(partial, directory)
             except OSError:  # another process put its export there first
                 shutil.rmtree(partial)
-        return os.path.join(directory, "model")
+        _EXPORTS[known] = os.path.join(directory, "model")
+        return _EXPORTS[known]
 
 
 def worker(model_dir: str, compute_type: str, threads: Threads) -> Worker:

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.models import place_block
 from model.transformer import argmax_ids, mask_non_target_ids
 
 Params = Any
@@ -193,8 +194,7 @@ def draft_verify(
         new = jnp.where(span[None, :] < accepted[:, None], padded, teacher)  # [B, K + 1]
         new = jnp.where(span[None, :] < gained[:, None], new, PAD_ID)
         new_length = jnp.minimum(state.length + gained, width)  # [B]
-        written = jax.vmap(lambda row, piece, at: jax.lax.dynamic_update_slice_in_dim(
-            row, piece, at, axis=0))(state.tokens, new, state.length)  # [B, T + K + 1]
+        written = place_block(state.tokens, new, state.length)  # [B, T + K + 1]
         written = jnp.where(jnp.arange(room)[None, :] < new_length[:, None], written, PAD_ID)
         last = jnp.take_along_axis(written, (new_length - 1)[:, None], axis=1)[:, 0]  # [B]
         active = ~state.done  # [B]
