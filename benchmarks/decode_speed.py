@@ -437,7 +437,7 @@ def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
     start = jnp.full((source.shape[0], 1), BOS_ID, jnp.int32)
 
     def bare(p, e, m, cache, ids):
-        step = model.make_tokens_to_logits(p, e, m)
+        step = model.make_tokens_to_logits(p, model.memory(p, e, m), m)
 
         def body(_, carry):
             ids, cache = carry
@@ -453,8 +453,9 @@ def ar_step_profile(model: Any, params: Any, source: Any, *, max_len: int,
 
         return jax.lax.fori_loop(0, steps, body, ids)
 
-    step_logits = jax.jit(lambda p, e, m, cache, ids: model.make_tokens_to_logits(p, e, m)(
-        ids, cache)[0])(params, encoded, memory_mask, cache, start)  # [B, V]
+    step_logits = jax.jit(lambda p, e, m, cache, ids: model.make_tokens_to_logits(
+        p, model.memory(p, e, m), m)(ids, cache)[0])(
+        params, encoded, memory_mask, cache, start)  # [B, V]
     calls = {
         "greedy": (greedy, (params, encoded, memory_mask)),
         "bare": (jax.jit(bare), (params, encoded, memory_mask, cache, start)),
@@ -571,14 +572,6 @@ def floor_of(floors: floors_lib.Floors, kind: str, source_ids: Sequence[int],
     return floors.greedy(source_ids, source_width=source_width, steps=len(translation.tokens))
 
 
-def _floor_models(translator_: Any) -> tuple[Any, Any]:
-    """A method's model and params for its `Floors`: (drafter, teacher) for draft_verify."""
-    loaded, rescorer = translator_.loaded, translator_.rescorer
-    if translator_.method.kind == "draft_verify":
-        return (loaded.model, rescorer.model), (loaded.params, rescorer.params)
-    return loaded.model, loaded.params
-
-
 def print_floors(translations: dict[str, list], floors: dict[str, list]) -> None:
     """Each method beside its floor at batch 1 (medians over the sentences): the whole, the
     encoder call and the search, and the method's median of its per-sentence ratios."""
@@ -632,7 +625,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs")
 
     floor_names = [n for n in names if args.floor and known[n].kind in FLOOR_KINDS]
-    floors = {n: floors_lib.Floors(*_floor_models(latency[n])) for n in floor_names}
+    floors = {n: floors_lib.Floors(*floors_lib.models_of(latency[n])) for n in floor_names}
     floor_times: dict[str, list] = {name: [] for name in floor_names}
     started = time.time()
     translations = {name: [] for name in names}

@@ -76,7 +76,8 @@ def greedy_steps(model: Any, params: Any, encoded: Any, memory_mask: jax.Array,
     """`steps` plain cached AR decoder steps into `slots` cache slots: each step's argmax is
     the next step's input. Returns the last ids int32[B, 1]."""
     cache = model.init_cache(params, encoded, memory_mask, slots)
-    step = model.make_tokens_to_logits(params, encoded, memory_mask)
+    step = model.make_tokens_to_logits(params, model.memory(params, encoded, memory_mask),
+                                       memory_mask)
 
     def body(_, carry):
         ids, cache = carry
@@ -99,13 +100,16 @@ def draft_verify_rounds(models: tuple[Any, Any], params: tuple[Any, Any], encode
     cache = teacher.init_block_cache(teacher_params, teacher_encoded, teacher_mask,
                                      width + block + 1)
 
+    draft_memory = drafter.memory(drafter_params, draft_encoded, draft_mask)
+    teacher_memory = teacher.memory(teacher_params, teacher_encoded, teacher_mask)
+
     def body(i, carry):
         tokens, cache, _ = carry
         length = jnp.full((rows,), jnp.minimum(i * (block + 1), width - 1), jnp.int32)
-        draft = drafter.draft(drafter_params, draft_encoded, draft_mask, tokens[:, :width],
+        draft = drafter.draft(drafter_params, draft_memory, draft_mask, tokens[:, :width],
                               length)
         inputs = jnp.concatenate([jnp.full((rows, 1), BOS_ID, jnp.int32), draft], axis=1)
-        logits, cache = teacher.block_logits(teacher_params, teacher_encoded, teacher_mask,
+        logits, cache = teacher.block_logits(teacher_params, teacher_memory, teacher_mask,
                                              inputs, length, cache)
         ids = argmax_last(logits)  # [B, K + 1]
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, ids[:, :block], length[0], axis=1)
@@ -116,11 +120,24 @@ def draft_verify_rounds(models: tuple[Any, Any], params: tuple[Any, Any], encode
     return jax.lax.fori_loop(0, rounds, body, (tokens, cache, ids))[2]
 
 
-def _encode(model: Any, params: Any, source: jax.Array) -> tuple[Any, jax.Array, Any]:
+# The kinds whose floor is plain PaDIR passes: each iteration re-predicts every position.
+PASS_KINDS = ("refine", "mask_predict")
+
+
+def models_of(translator: Any) -> tuple[Any, Any]:
+    """A Translator's model and params for its `Floors`: (drafter, teacher) for draft and
+    verify."""
+    loaded, rescorer = translator.loaded, translator.rescorer
+    if translator.method.kind == "draft_verify":
+        return (loaded.model, rescorer.model), (loaded.params, rescorer.params)
+    return loaded.model, loaded.params
+
+
+def encode(model: Any, params: Any, source: jax.Array) -> tuple[Any, jax.Array, Any]:
     """The encoder, and a PaDIR model's length head on its output: (encoded, memory_mask,
     length logits or None); of a (drafter, teacher) pair, both encoders."""
     if isinstance(model, tuple):
-        return tuple(_encode(m, p, source) for m, p in zip(model, params))
+        return tuple(encode(m, p, source) for m, p in zip(model, params))
     encoded, memory_mask = model.encode(params, source)
     lengths = model.length_logits(params, encoded) if hasattr(model, "length_logits") else None
     return encoded, memory_mask, lengths
@@ -140,7 +157,7 @@ class Floors:
 
     def __init__(self, model: Any, params: Any):
         self.model, self.params = model, params
-        self._encode = jax.jit(functools.partial(_encode, model))
+        self._encode = jax.jit(functools.partial(encode, model))
         self._padir = jax.jit(functools.partial(padir_passes, model), static_argnames="length")
         self._greedy = jax.jit(functools.partial(greedy_steps, model), static_argnames="slots")
         self._draft_verify = jax.jit(functools.partial(draft_verify_rounds, model),
@@ -192,6 +209,26 @@ class Floors:
                                        encoded, jnp.int32(rounds))
         return Floor(encode_seconds, search_seconds)
 
+    def batch(self, kind: str, source: np.ndarray, *, width: int, count: int,
+              beam_size: int = 1) -> Floor:
+        """The floor of one batch as a method of `kind` decodes it: the encoder on `source`
+        int32[B, S] (padded to its bucket), then `count` plain passes, steps or rounds into
+        `width` positions (PaDIR: the passes' length; AR: cache slots; draft and verify:
+        its output width). AR beam search: steps over the B x `beam_size` rows of its
+        beams (the encoder on the B rows, its output repeated untimed)."""
+        encoded, encode_seconds = self._call(("encode", source.shape), self._encode,
+                                             self.params, source)
+        key = (kind, source.shape, width, beam_size)
+        if kind in PASS_KINDS:
+            fn, args = functools.partial(self._padir, length=width), encoded[:2]
+        elif kind == "draft_verify":
+            fn, args = functools.partial(self._draft_verify, width=width), (encoded,)
+        else:
+            fn = functools.partial(self._greedy, slots=width)
+            args = tuple(jnp.repeat(x, beam_size, axis=0) for x in encoded[:2])
+        _, search_seconds = self._call(key, fn, self.params, *args, jnp.int32(count))
+        return Floor(encode_seconds, search_seconds)
+
     def verify_against_step(self, source_ids: Sequence[int], *, source_width: int,
                             width: int, repeats: int = 30) -> tuple[float, float]:
         """Of a (drafter, teacher) pair: the teacher's pass over a block of K + 1 positions
@@ -203,14 +240,15 @@ class Floors:
         cache = teacher.init_block_cache(params, encoded, memory_mask, width + block + 1)
         inputs = jnp.full((1, block + 1), BOS_ID, jnp.int32)
         start = jnp.full((1,), width // 2, jnp.int32)
+        memory = jax.jit(teacher.memory)(params, encoded, memory_mask)
         verify = jax.jit(teacher.block_logits)
         step_cache = teacher.init_cache(params, encoded, memory_mask, width)
-        step = jax.jit(lambda p, ids, c: teacher.make_tokens_to_logits(p, encoded, memory_mask)(
+        step = jax.jit(lambda p, ids, c: teacher.make_tokens_to_logits(p, memory, memory_mask)(
             ids, c))
 
         def median(fn, *args) -> float:
             jax.block_until_ready(fn(*args))
             return float(np.median([_timed(fn, *args)[1] for _ in range(repeats)]))
 
-        return (median(verify, params, encoded, memory_mask, inputs, start, cache),
+        return (median(verify, params, memory, memory_mask, inputs, start, cache),
                 median(step, params, inputs[:, :1], step_cache))

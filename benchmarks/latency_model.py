@@ -120,45 +120,46 @@ def shape_work(shape: crossover.Shape, length: int) -> dict[str, Any]:
     padir_params = crossover.random_params(padir, length, 0)
     source = jnp.asarray(crossover.sources(1, length, shape.vocab))
     encoded, memory_mask = jax.jit(ar.encode)(ar_params, source)
+    memory = jax.jit(ar.memory)(ar_params, encoded, memory_mask)  # once a sentence
     cache = ar.init_cache(ar_params, encoded, memory_mask, length)
     ids = jnp.ones((1, 1), jnp.int32)
 
-    def step(p, e, m, cache, ids):
-        return ar.make_tokens_to_logits(p, e, m)(ids, cache)
+    def step(p, memory, m, cache, ids):
+        return ar.make_tokens_to_logits(p, memory, m)(ids, cache)
 
     p_encoded, p_mask = jax.jit(padir.encode)(padir_params, source)
     hypothesis = masked_hypothesis(jnp.full((1,), length, jnp.int32), length)
 
-    def one_pass(p, e, m, h):
-        memory = padir.decoder_memory(p, e, m, h != 0)
-        return padir.pass_logits(p, memory, h)
+    p_memory = jax.jit(padir.decoder_memory)(padir_params, p_encoded, p_mask, hypothesis != 0)
 
     def padir_encode(p, s):
         e, m = padir.encode(p, s)
-        return e, m, padir.length_logits(p, e)
+        return e, m, padir.length_logits(p, e), padir.memory(p, e, m)
 
     drafter = DrafterModel(shape.config(length, decoder_layers=1), shape.vocab, DRAFT_BLOCK)
     drafter_params = crossover.random_params(drafter, length, 0)
     d_encoded, d_mask = jax.jit(drafter.encode)(drafter_params, source)
+    d_memory = jax.jit(drafter.memory)(drafter_params, d_encoded, d_mask)
     prefix = jnp.full((1,), length // 2, jnp.int32)  # the shapes do not depend on it
     block_cache = ar.init_block_cache(ar_params, encoded, memory_mask, length + DRAFT_BLOCK + 1)
     block = jnp.ones((1, DRAFT_BLOCK + 1), jnp.int32)
 
-    def draft(p, e, m, tokens, prefix):
-        return drafter.draft(p, e, m, tokens, prefix)
-
-    def verify(p, e, m, block, prefix, cache):
-        return ar.block_logits(p, e, m, block, prefix, cache)
+    def with_memory(model):  # an encoder call, and its keys and values for the decoder
+        def encode(p, s):
+            e, m = model.encode(p, s)
+            return e, m, model.memory(p, e, m)
+        return encode
 
     nbytes = sum(x.nbytes for x in jax.tree.leaves(ar_params))
-    return {"encode_ar": work(ar.encode, ar_params, source),
-            "step": work(step, ar_params, encoded, memory_mask, cache, ids),
+    return {"encode_ar": work(with_memory(ar), ar_params, source),
+            "step": work(step, ar_params, memory, memory_mask, cache, ids),
             "encode_padir": work(padir_encode, padir_params, source),
-            "pass": work(one_pass, padir_params, p_encoded, p_mask, hypothesis),
-            "encode_drafter": work(drafter.encode, drafter_params, source),
-            "draft": work(draft, drafter_params, d_encoded, d_mask,
+            "pass": work(padir.pass_logits, padir_params, p_memory, hypothesis),
+            "encode_drafter": work(with_memory(drafter), drafter_params, source),
+            "draft": work(drafter.draft, drafter_params, d_memory, d_mask,
                           jnp.ones((1, length), jnp.int32), prefix),
-            "verify": work(verify, ar_params, encoded, memory_mask, block, prefix, block_cache),
+            "verify": work(ar.block_logits, ar_params, memory, memory_mask, block, prefix,
+                           block_cache),
             "parameter_bytes": nbytes}
 
 

@@ -109,6 +109,17 @@ class _BaseModel:
         """Fresh parameters (plain arrays). Only the shapes of `batch` are used."""
         return nn.unbox(self._init_variables(rng, batch))
 
+    def memory(self, params: Params, encoded: jax.Array, memory_mask: jax.Array) -> Any:
+        """Every decoder layer's cross-attention keys and values of `encoded`
+        (`transformer.MemoryAttention`), computed once: a decoding loop's calls read them
+        (the `memory` collection) instead of projecting the encoder's output each call.
+        The decoder runs on one dummy position to write them; XLA drops the rest."""
+        rows = encoded.shape[0]
+        _, variables = self.module.apply(
+            {"params": params}, encoded, memory_mask, jnp.zeros((rows, 1), jnp.int32),
+            method="decode", mutable=["memory"])
+        return variables["memory"]
+
     def logical_axes(self, batch: Batch) -> Any:
         """Logical axis names per parameter: a PartitionSpec tree shaped like `init`'s."""
         abstract = jax.eval_shape(self._init_variables, jax.random.key(0), batch)
@@ -220,39 +231,41 @@ class ARModel(_BaseModel):
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     def block_logits(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, inputs: jax.Array,
+        self, params: Params, memory: Any, memory_mask: jax.Array, inputs: jax.Array,
         start: jax.Array, cache: Any,
     ) -> tuple[jax.Array, Any]:
         """The logits of a block of positions per row over the cache of the positions
         before it (draft and verify's verifier): row b's inputs int32[B, W] are the decoder
         inputs of its positions start[b] .. start[b] + W - 1 (the token before each: BOS
         at position 0), so that position start[b] + i scores the token after them. The
-        cache must hold every position before start[b] from earlier calls.
+        cache must hold every position before start[b] from earlier calls; `memory` is
+        `memory`'s output for the rows.
 
         Returns (logits float32[B, W, V], not masked: `argmax_ids` reads target ids only;
         the cache with the block's keys and values written)."""
         logits, variables = self.module.apply(
-            {"params": params, "cache": cache}, encoded, memory_mask, inputs, start=start,
-            method=ARTransformer.decode, mutable=["cache"],
+            {"params": params, "cache": cache, "memory": memory}, None, memory_mask, inputs,
+            start=start, method=ARTransformer.decode, mutable=["cache"],
         )
         return logits, variables["cache"]
 
     def make_tokens_to_logits(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array,
+        self, params: Params, memory: Any, memory_mask: jax.Array,
         vocab_ids: jax.Array | None = None,
     ) -> Callable[[jax.Array, Any], tuple[jax.Array, Any]]:
         """The one-step callback of the AR searches (model/decoding/beam_search.py):
         (ids int32[N, 1], cache) -> (logits float32[N, V], cache).
 
-        `encoded`/`memory_mask` must already have N rows. Logits of ids that are never
-        targets (pad, BOS, control ids) are masked so that no search emits them. With
-        `vocab_ids` (a shortlist, reserved ids first: model/decoding/shortlist.py) the logits are
-        [N, K], column i for id vocab_ids[i].
+        `memory` (`memory`'s output, computed once before the loop) and `memory_mask` must
+        already have N rows. Logits of ids that are never targets (pad, BOS, control ids)
+        are masked so that no search emits them. With `vocab_ids` (a shortlist, reserved
+        ids first: model/decoding/shortlist.py) the logits are [N, K], column i for id
+        vocab_ids[i].
         """
 
         def tokens_to_logits(ids: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
             logits, variables = self.module.apply(
-                {"params": params, "cache": cache}, encoded, memory_mask, ids,
+                {"params": params, "cache": cache, "memory": memory}, None, memory_mask, ids,
                 decode=True, vocab_ids=vocab_ids, method=ARTransformer.decode,
                 mutable=["cache"],
             )  # [N, 1, V or K]
@@ -356,12 +369,12 @@ class PaDIRModel(_BaseModel):
     def decoder_memory(
         self, params: Params, encoded: jax.Array, memory_mask: jax.Array, valid: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """What every decoding pass over these rows reuses: the encoder output, its mask and
-        the hypothesis's non-pad positions valid bool[N, T] (fixed across passes). Passed
-        into the loop as constants, they make every term that depends on them alone (cross-
-        attention keys/values, masks, positional attention weights) loop-invariant, so XLA
-        computes it once before the first pass (`pass_logits`)."""
-        return encoded, memory_mask, valid
+        """What every decoding pass over these rows reuses: cross-attention's keys and
+        values (`memory`), the encoder output's mask and the hypothesis's non-pad positions
+        valid bool[N, T] (fixed across passes). Passed into the loop as constants, they
+        make every term that depends on them alone (masks, positional attention weights)
+        loop-invariant, so XLA computes it once before the first pass (`pass_logits`)."""
+        return self.memory(params, encoded, memory_mask), memory_mask, valid
 
     def pass_logits(
         self, params: Params, memory: tuple[jax.Array, jax.Array, jax.Array],
@@ -372,10 +385,10 @@ class PaDIRModel(_BaseModel):
         [N, T, K], column i for vocab_ids[i]. Unlike `decode_logits`, the non-target ids
         are not masked: the decoders' reading of a pass (`refinement.read_logits`) leaves
         them out, on the few columns they hold."""
-        encoded, memory_mask, valid = memory
+        keys_values, memory_mask, valid = memory
         return self.module.apply(
-            {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
-            method=PaDIRTransformer.decode,
+            {"params": params, "memory": keys_values}, None, memory_mask, hypothesis, True,
+            valid, vocab_ids, method=PaDIRTransformer.decode,
         )
 
     def predict_batch(self, params: Params, batch: Batch) -> jax.Array:
@@ -448,14 +461,14 @@ class DrafterModel(_BaseModel):
         return self.module.apply({"params": params}, source, method=DrafterTransformer.encode)
 
     def draft(
-        self, params: Params, encoded: jax.Array, memory_mask: jax.Array, tokens: jax.Array,
+        self, params: Params, memory: Any, memory_mask: jax.Array, tokens: jax.Array,
         length: jax.Array, passes: int = 1, vocab_ids: jax.Array | None = None,
     ) -> jax.Array:
         """The `block` tokens after each row's prefix tokens[:, :length] (positions past
         the width T are not drafted: their tokens are PAD).
 
         Args:
-          encoded, memory_mask: `encode`'s output.
+          memory, memory_mask: `memory`'s output (once a batch), `encode`'s mask.
           tokens: int32[B, T], the accepted output (what follows each prefix is ignored).
           length: int32[B], the prefix's length.
           passes: >= 1; each pass after the first reads the block the one before drafted
@@ -472,8 +485,8 @@ class DrafterModel(_BaseModel):
         valid = hypothesis != PAD_ID  # the prefix (target ids, never PAD) and the block
         for _ in range(passes):
             logits = self.module.apply(
-                {"params": params}, encoded, memory_mask, hypothesis, True, valid, vocab_ids,
-                outputs, method=DrafterTransformer.decode)  # [B, K, V or K']
+                {"params": params, "memory": memory}, None, memory_mask, hypothesis, True,
+                valid, vocab_ids, outputs, method=DrafterTransformer.decode)  # [B, K, V or K']
             ids = argmax_ids(logits)
             if vocab_ids is not None:
                 ids = jnp.take(vocab_ids, ids)
@@ -487,11 +500,12 @@ class DrafterModel(_BaseModel):
         max_target_len): ids up to and including EOS, then 0."""
         width = output_length(self.config, batch)
         encoded, memory_mask = self.encode(params, batch["source"])
+        memory = self.memory(params, encoded, memory_mask)
         rows = encoded.shape[0]
 
         def step(i, tokens):
             length = jnp.full((rows,), i * self.block, jnp.int32)
-            drafted = self.draft(params, encoded, memory_mask, tokens, length)  # [B, K]
+            drafted = self.draft(params, memory, memory_mask, tokens, length)  # [B, K]
             return place_block(tokens, drafted, length)
 
         tokens = jax.lax.fori_loop(0, -(-width // self.block), step,

@@ -13,8 +13,10 @@ biases in attention or MLP (T5 style).
   position vectors, values the token stream, so position survives an all-[MASK] input.
 * `ARTransformer` (the teacher): causal decoder over the target shifted right behind BOS;
   `decode=True` processes one token per call with a KV cache in the `cache` collection,
-  and block mode (`start`) a block of tokens per row with its own cache
-  (`CachedBlockAttention`: draft and verify's verifier).
+  and block mode (`start`) a block of tokens per row over its cache (draft and verify's
+  verifier); both through `CachedAttention`, whose cache is laid out for XLA's batched
+  matmul, as are cross-attention's keys and values of the encoder's output, which a
+  decoding loop computes once (`MemoryAttention`, the `memory` collection).
 * `DrafterTransformer` (draft and verify's drafter): the teacher's encoder and a NAR
   decoder that fills a block of [MASK]s after a given prefix; no length head.
 
@@ -168,7 +170,7 @@ def _rms_norm(config: ModelConfig, name: str) -> nn.RMSNorm:
     )
 
 
-def _attention(config: ModelConfig, name: str, decode: bool = False) -> nn.Module:
+def _attention(config: ModelConfig, name: str) -> nn.Module:
     # Dropout is applied to residual branches only; attention weights stay un-dropped.
     return nn.MultiHeadDotProductAttention(
         num_heads=config.num_heads,
@@ -178,7 +180,6 @@ def _attention(config: ModelConfig, name: str, decode: bool = False) -> nn.Modul
         use_bias=False,
         kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")),
         out_kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")),
-        decode=decode,
         name=name,
     )
 
@@ -280,26 +281,83 @@ class Encoder(nn.Module):
         return _rms_norm(cfg, "final_norm")(x)
 
 
-class CachedBlockAttention(nn.Module):
-    """Causal self-attention of a block of W new positions per row over a KV cache: row b's
-    block holds positions start[b] .. start[b] + W - 1; its keys and values are written
-    into the cache there, and each query reads the cache up to its own position.
+def _attend(query: jax.Array, keys: jax.Array, values: jax.Array,
+            mask: jax.Array | None) -> jax.Array:
+    """`nn.dot_product_attention`'s math over keys and values laid out [B, H, Dh, L]:
+    query [B, Q, H, Dh], mask bool broadcastable to [B, H, Q, L]. Returns [B, Q, H, Dh].
 
-    What draft and verify's verifier runs (model/decoding/draft_verify.py): the teacher over a
-    drafted block and one more position, its prefix's keys and values kept from earlier
-    rounds. A row whose block was partly rejected simply starts its next block earlier;
-    what was written past it is overwritten or never read. Flax's cached attention takes
-    one position per call and one index for all rows, hence this module. Its parameters
-    are `nn.MultiHeadDotProductAttention`'s (same names, shapes and math), so it reads the
-    teacher's self-attention as trained.
+    Why this layout: XLA:CPU's batched matmul reads [B, H, Dh, L] as it is, and copies
+    Flax's [B, L, H, Dh] into it before every product. In a decoding loop that copy was
+    the cached step's largest cost (the cache and the memory's keys and values copied each
+    step, 80% of a step at 64 rows); laid out here, the cache is never copied, and the
+    memory's keys and values once a batch (`MemoryAttention`)."""
+    depth = query.shape[-1]
+    query = jnp.swapaxes(query, 1, 2) / jnp.sqrt(depth).astype(query.dtype)  # [B, H, Q, Dh]
+    scores = jnp.einsum("bhqd,bhdl->bhql", query, keys)
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(values.dtype)
+    return jnp.einsum("bhdl,bhql->bqhd", values, weights)
+
+
+class MemoryAttention(nn.Module):
+    """Cross-attention over the encoder's output, its keys and values laid out for
+    `_attend`. A decoding loop computes them once (`models.memory`: the `memory`
+    collection, written when that collection is mutable) and every call of the loop reads
+    them there: XLA hoists a loop-constant projection out of a loop, but not the copy into
+    the matmul's layout. The parameters are `nn.MultiHeadDotProductAttention`'s (same
+    names, shapes and math), so it reads the trained cross-attention as it is."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, encoded: jax.Array | None,
+                 mask: jax.Array) -> jax.Array:
+        """x: [B, T, D]; encoded: [B, S, D] (None when the `memory` collection holds the
+        keys and values); mask: bool[B, 1, T, S]. Returns [B, T, D]."""
+        cfg = self.config
+        dense = functools.partial(
+            nn.DenseGeneral, features=(cfg.num_heads, cfg.d_model // cfg.num_heads),
+            use_bias=False, dtype=cfg.dtype,
+            kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")))
+        query = dense(name="query")(x)
+        if self.has_variable("memory", "key"):
+            keys, values = self.get_variable("memory", "key"), self.get_variable("memory", "value")
+        else:
+            keys, values = (jnp.transpose(dense(name=name)(encoded), (0, 2, 3, 1))
+                            for name in ("key", "value"))  # [B, H, Dh, S]
+            if self.is_mutable_collection("memory") and not self.is_initializing():
+                self.put_variable("memory", "key", keys)
+                self.put_variable("memory", "value", values)
+        h = _attend(query, keys, values, mask)
+        return nn.DenseGeneral(
+            features=cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
+            kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out",
+        )(h)  # [B, T, D]
+
+
+class CachedAttention(nn.Module):
+    """Causal self-attention of W new positions per row over a KV cache: row b's
+    positions are start[b] .. start[b] + W - 1 (or start .. start + W - 1 for every row);
+    their keys and values are written into the cache there, and each query reads the
+    cache up to its own position.
+
+    What the cached decoders run: the AR searches a step a call (W = 1, one position for
+    every row), draft and verify's verifier a drafted block and one more position per
+    row, its prefix's keys and values kept from earlier rounds (model/decoding/
+    draft_verify.py): a row whose block was partly rejected simply starts its next block
+    earlier, and what was written past it is overwritten or never read. The cache is laid
+    out [B, H, Dh, L] (`_attend`). The parameters are `nn.MultiHeadDotProductAttention`'s
+    (same names, shapes and math), so it reads the trained self-attention as it is.
     """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, x: jax.Array, start: jax.Array) -> jax.Array:
-        """x: [B, W, D]; start: int32[B]. The cache holds L >= max(start) + W positions
-        (its first call, which creates it, sees x of L positions). Returns [B, W, D]."""
+        """x: [B, W, D]; start: int32[B] or int32[]. The cache holds L >= max(start) + W
+        positions (its first call, which creates it, sees x of L positions). Returns
+        [B, W, D]."""
         cfg = self.config
         width = x.shape[1]
         dense = functools.partial(
@@ -307,17 +365,23 @@ class CachedBlockAttention(nn.Module):
             use_bias=False, dtype=cfg.dtype,
             kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")))
         query, key, value = (dense(name=name)(x) for name in ("query", "key", "value"))
+        key, value = (jnp.transpose(y, (0, 2, 3, 1)) for y in (key, value))  # [B, H, Dh, W]
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape,
                                      value.dtype)
-        write = jax.vmap(lambda cache, new, at: jax.lax.dynamic_update_slice_in_dim(
-            cache, new, at, axis=0))
-        keys = write(cached_key.value, key, start)  # [B, L, H, Dh]
-        values = write(cached_value.value, value, start)
+        if start.ndim == 0:
+            def write(cache, new):
+                return jax.lax.dynamic_update_slice_in_dim(cache, new, start, axis=3)
+        else:
+            def write(cache, new):
+                return jax.vmap(lambda c, n, at: jax.lax.dynamic_update_slice_in_dim(
+                    c, n, at, axis=2))(cache, new, start)
+        keys = write(cached_key.value, key)  # [B, H, Dh, L]
+        values = write(cached_value.value, value)
         cached_key.value, cached_value.value = keys, values
-        own = start[:, None] + jnp.arange(width)  # [B, W]: each query's position
-        mask = jnp.arange(keys.shape[1])[None, None, :] <= own[:, :, None]  # [B, W, L]
-        h = nn.dot_product_attention(query, keys, values, mask=mask[:, None], dtype=cfg.dtype)
+        own = start[..., None] + jnp.arange(width)  # [B, W] or [W]: each query's position
+        mask = jnp.arange(keys.shape[-1]) <= own[..., None]  # [B, W, L] or [W, L]
+        h = _attend(query, keys, values, mask[..., None, :, :])
         return nn.DenseGeneral(
             features=cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
             kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out",
@@ -330,15 +394,13 @@ class DecoderLayer(nn.Module):
     Attributes:
       config: the model config.
       positional_attention: add the positional-attention sublayer (PaDIR only).
-      decode: cache keys/values of self-attention and take one token per call (AR only).
-      block: cache keys/values of self-attention and take a block of tokens per row at
-        its own position (`CachedBlockAttention`; AR only).
+      cached: self-attention over a KV cache, new positions from `start`
+        (`CachedAttention`; AR only).
     """
 
     config: ModelConfig
     positional_attention: bool = False
-    decode: bool = False
-    block: bool = False
+    cached: bool = False
 
     @nn.compact
     def __call__(
@@ -353,15 +415,15 @@ class DecoderLayer(nn.Module):
     ) -> jax.Array:
         """x: [B, T, D]; encoded: [B, S, D]; self_mask: bool[B, 1, T, T] or None (cached
         decoding masks itself); cross_mask: bool[B, 1, T, S]; positions: [B, T, D] (used
-        only with positional attention); start: int32[B], the block's first position
-        (block mode only). Returns [B, T, D]."""
+        only with positional attention); start: int32[B] or int32[], the first new
+        position (cached only). Returns [B, T, D]."""
         cfg = self.config
         dropout = Dropout(cfg.dropout_rate)
         h = _rms_norm(cfg, "pre_self_attention_norm")(x)
-        if self.block:
-            h = CachedBlockAttention(cfg, name="self_attention")(h, start)
+        if self.cached:
+            h = CachedAttention(cfg, name="self_attention")(h, start)
         else:
-            h = _attention(cfg, "self_attention", decode=self.decode)(h, h, mask=self_mask)
+            h = _attention(cfg, "self_attention")(h, h, mask=self_mask)
         x = x + dropout(h, deterministic=deterministic)
         if self.positional_attention:
             # Where to read from is decided by position alone; what is read is the tokens.
@@ -370,7 +432,7 @@ class DecoderLayer(nn.Module):
             h = _attention(cfg, "positional_attention")(q, inputs_k=q, inputs_v=h, mask=self_mask)
             x = x + dropout(h, deterministic=deterministic)
         h = _rms_norm(cfg, "pre_cross_attention_norm")(x)
-        h = _attention(cfg, "cross_attention")(h, encoded, mask=cross_mask)
+        h = MemoryAttention(cfg, name="cross_attention")(h, encoded, cross_mask)
         x = x + dropout(h, deterministic=deterministic)
         h = _rms_norm(cfg, "pre_mlp_norm")(x)
         h = MlpBlock(cfg, name="mlp")(h, deterministic)
@@ -488,7 +550,7 @@ class ARDecoder(nn.Module):
         """encoded: [B, S, D]; memory_mask: bool[B, S]; inputs: int32[B, T] right-shifted
         targets (T = 1 per call when decoding with a filled cache); target_mask: bool[B, T]
         (None = all valid; ignored when decoding); vocab_ids: as `NARDecoder`; start:
-        int32[B], block mode (`CachedBlockAttention`): row b's inputs are its positions
+        int32[B], block mode (`CachedAttention`): row b's inputs are its positions
         start[b] .. start[b] + T - 1, over the cache of earlier blocks (positions past
         max_target_len read its last position-table row: a caller's cap keeps them out of
         the output).
@@ -509,10 +571,10 @@ class ARDecoder(nn.Module):
             # The first call (cache creation) sees the full length; later calls one token.
             filled = self.has_variable("cache", "position")
             position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+            start = position.value  # int32[]: every row at one position
             if filled:
-                index = position.value
-                position.value = index + 1
-                positions = jax.lax.dynamic_slice_in_dim(table, index, 1)  # [1, D]
+                position.value = start + 1
+                positions = jax.lax.dynamic_slice_in_dim(table, start, 1)  # [1, D]
             else:
                 positions = table[:length]
             self_mask = None  # the cached attention masks not-yet-written slots itself
@@ -528,7 +590,7 @@ class ARDecoder(nn.Module):
         x = self.shared_embedding(inputs) + positions.astype(cfg.dtype)  # [B, T, D]
         x = Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, decode=decode, block=start is not None, name=f"layer_{i}")(
+            x = DecoderLayer(cfg, cached=start is not None, name=f"layer_{i}")(
                 x, encoded, self_mask, cross_mask, None, deterministic, start
             )
         y = _rms_norm(cfg, "final_norm")(x)

@@ -3,7 +3,8 @@
 Set here, before any test module imports Prefect (it reads these when it is imported):
 PREFECT_HOME is a fresh temporary directory (profiles, SQLite databases, default result
 storage), no PREFECT_API_URL is inherited, and no Prefect server sends telemetry. JAX's
-compilation cache is a fresh temporary directory too (read when JAX is imported), shared
+compilation cache and $XDG_CACHE_HOME (CTranslate2's exports and sweeps) are fresh temporary
+directories too (read when JAX is imported), shared
 by this process and the child interpreters of the session, never the user's; every
 program goes in it, however quickly it compiled. XLA compiles for the CPU at LLVM's lowest
 optimisation level (in the children too): compilation is most of the suite's time, and
@@ -33,6 +34,11 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE
 # A stage run again by another test, or by a child interpreter, loads its programs.
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+# What the code keeps per machine (CTranslate2's exports and sweeps) goes to a temporary
+# cache too, never the user's.
+_CACHE_HOME = tempfile.mkdtemp(prefix="padir-test-cache-")
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
 _FAST_COMPILE = "--xla_backend_optimization_level=0"
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", "").split():
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()

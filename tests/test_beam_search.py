@@ -123,7 +123,7 @@ def test_model_beam_scores_sorted_and_match_teacher_forcing(params):
         enc = jnp.repeat(encoded, beams, axis=0)
         mask = jnp.repeat(memory_mask, beams, axis=0)
         return beam_search(
-            MODEL.make_tokens_to_logits(params, enc, mask),
+            MODEL.make_tokens_to_logits(params, MODEL.memory(params, enc, mask), mask),
             MODEL.init_cache(params, enc, mask, 6),
             batch_size=3, beam_size=beams, max_len=6, alpha=0.6,
         )

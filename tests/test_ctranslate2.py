@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import pathlib
 import tempfile
 import types
 
@@ -259,6 +260,33 @@ def test_the_sweep_times_every_setting_and_records_the_fastest(published):
         assert about["chosen"] == {k: fastest[k] for k in ("intra_threads", "inter_threads")}
         assert ctranslate2_sweep.chosen(record, regime).intra_threads == \
             fastest["intra_threads"]
+
+
+def test_a_sweep_is_kept_beside_its_export_and_timed_again_only_for_another(
+        published, monkeypatch):
+    from model import trained_model
+    from model.decoding import ctranslate2_search, ctranslate2_sweep
+
+    loaded = trained_model.load(published.uri)
+    timed = []
+    monkeypatch.setattr(ctranslate2_sweep, "sweep",
+                        lambda *a, **k: timed.append(k["batch_sizes"]) or {"timed": len(timed)})
+
+    def kept(batched):
+        return ctranslate2_sweep.kept_sweep(
+            loaded, DecodeMethod("c", "ct2_greedy"), SENTENCES,
+            batch_sizes={"latency": 1, "batched": batched}, boundaries=loaded.boundaries,
+            cpus=2)
+
+    folder = pathlib.Path(ctranslate2_search.export_dir(loaded, None)).parent / "sweeps"
+    before = set(folder.glob("*.json"))
+    first = kept(3)
+    [written] = set(folder.glob("*.json")) - before
+    assert first == {"timed": 1} and not list(folder.glob("*.partial"))
+    assert kept(3) == first and len(timed) == 1  # read back, not timed again
+    assert kept(5) == {"timed": 2}  # another batch size is another sweep
+    written.unlink()
+    assert kept(3) == {"timed": 3}
 
 
 def test_a_vocabulary_map_keeps_each_sentence_to_its_shortlist(tmp_path, monkeypatch):

@@ -25,7 +25,10 @@ class Fixed:
 
     block: int
 
-    def draft(self, params, encoded, memory_mask, tokens, length, passes=1, vocab_ids=None):
+    def memory(self, params, encoded, memory_mask):
+        return encoded
+
+    def draft(self, params, memory, memory_mask, tokens, length, passes=1, vocab_ids=None):
         at = jnp.minimum(length[:, None] + jnp.arange(self.block), params.shape[1] - 1)
         return jnp.take_along_axis(params, at, axis=1)
 

@@ -181,9 +181,10 @@ def test_blocks_over_the_cache_score_as_one_teacher_forced_pass(ar_trained):
     start = np.zeros(4, np.int32)
     advance = np.array([[1, 3, 2, 3], [2, 1, 3, 1], [3, 3, 3, 3]])  # per round, per row
     block_logits = jax.jit(model.block_logits)
+    memory = model.memory(params, encoded, memory_mask)
     for steps in advance:
         at = start[:, None] + np.arange(width)
-        logits, cache = block_logits(params, encoded, memory_mask,
+        logits, cache = block_logits(params, memory, memory_mask,
                                      jnp.asarray(np.take_along_axis(inputs, at, axis=1)),
                                      jnp.asarray(start), cache)
         for row in range(4):
@@ -205,8 +206,9 @@ def test_the_drafter_learns_the_block_after_any_prefix():
     assert metrics["accuracy"] == metrics["weights"]
     target = np.asarray(BATCH["target"])
     encoded, memory_mask = model.encode(params, BATCH["source"])
+    memory = model.memory(params, encoded, memory_mask)
     for n in range(4):
-        drafted = model.draft(params, encoded, memory_mask, BATCH["target"],
+        drafted = model.draft(params, memory, memory_mask, BATCH["target"],
                               jnp.full((4,), n, jnp.int32))
         expected = np.concatenate([target, np.zeros((4, 3), np.int32)], axis=1)[:, n:n + 3]
         content = expected != PAD_ID

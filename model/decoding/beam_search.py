@@ -245,8 +245,9 @@ def greedy(model: ARModel, params: Any, encoded: jax.Array, memory_mask: jax.Arr
     row has emitted EOS. `vocab_ids`: a shortlist to decode over (default: all ids).
     Returns int32[B, max_len]: ids up to and including EOS, then 0."""
     cache = model.init_cache(params, encoded, memory_mask, max_len)
+    memory = model.memory(params, encoded, memory_mask)
     return greedy_search(
-        model.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids), cache,
+        model.make_tokens_to_logits(params, memory, memory_mask, vocab_ids), cache,
         batch_size=encoded.shape[0], max_len=max_len, vocab_ids=vocab_ids)
 
 
@@ -261,8 +262,9 @@ def beam(model: ARModel, params: Any, encoded: jax.Array, memory_mask: jax.Array
     encoded = jnp.repeat(encoded, beam_size, axis=0)  # [B * K, S, D]
     memory_mask = jnp.repeat(memory_mask, beam_size, axis=0)  # [B * K, S]
     cache = model.init_cache(params, encoded, memory_mask, max_len)
+    memory = model.memory(params, encoded, memory_mask)  # not reordered: beams share it
     seqs, scores = beam_search(
-        model.make_tokens_to_logits(params, encoded, memory_mask, vocab_ids), cache,
+        model.make_tokens_to_logits(params, memory, memory_mask, vocab_ids), cache,
         batch_size=batch_size, beam_size=beam_size, max_len=max_len, alpha=length_penalty,
         vocab_ids=vocab_ids)  # [B, K, T], [B, K]
     return seqs[:, 0], scores[:, 0]

@@ -13,6 +13,12 @@ decodes each pass with its regime's fastest:
   batched            every (intra, inter) of those counts with intra x inter <= cpus;
                      the most sentences per second win.
 
+The sweep is timed once per machine and kept, like the export it times
+(model/decoding/ctranslate2_search.py `export_dir`): `sweep_methods` writes each record
+beside its export, under a key of everything that sets its figures (the method's search,
+the sample, the batch sizes and buckets, the grid and this machine's CPUs), and a rerun of
+the decode stage over the same model reads it back instead of timing again.
+
 Each setting decodes the same sample (the first sentences of a test set) through the
 Translator, as the stage does (its own worker process, the same output caps and options),
 `REPEATS` times; the repeats are interleaved across the settings, so that a change in the
@@ -23,8 +29,12 @@ machine's load touches them all alike, and each figure is the median over its re
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 import statistics
+import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
@@ -114,12 +124,51 @@ def chosen(record: Mapping[str, Any], regime: str) -> Threads:
     return Threads(**record[regime]["chosen"])
 
 
+def _machine() -> str:
+    """This machine's CPU model (Linux: /proc/cpuinfo), '' where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def kept_sweep(loaded: trained_model.LoadedModel, method: DecodeMethod,
+               sources: Sequence[str], *, batch_sizes: Mapping[str, int],
+               boundaries: Sequence[int], cpus: int) -> dict[str, Any]:
+    """`sweep`'s record, read from beside the method's export if this machine timed the
+    same sweep before, else timed and written there (whole or not at all)."""
+    table = translator.shortlist_table(loaded) if method.shortlist else None
+    what = {"search": {k: v for k, v in dataclasses.asdict(method).items() if k != "name"},
+            "sources": hashlib.sha256("\n".join(sources).encode()).hexdigest(),
+            "batch_sizes": dict(batch_sizes), "boundaries": list(boundaries), "cpus": cpus,
+            "machine": _machine(), "repeats": REPEATS,
+            "grids": {regime: [dataclasses.asdict(t) for t in grid(regime, cpus)]
+                      for regime in batch_sizes}}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    folder = os.path.join(os.path.dirname(ctranslate2_search.export_dir(loaded, table)),
+                          "sweeps")
+    path = os.path.join(folder, f"{key}.json")
+    if os.path.exists(path):
+        log.info("%s: the sweep timed before on this machine (%s)", method.name, path)
+        with open(path) as f:
+            return json.load(f)
+    record = sweep(loaded, method, sources, batch_sizes=batch_sizes, boundaries=boundaries,
+                   cpus=cpus)
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".partial", delete=False) as f:
+        json.dump(record, f)
+    os.replace(f.name, path)
+    return record
+
+
 def sweep_methods(methods: Sequence[DecodeMethod], models: Mapping[str, str],
                   sources: Sequence[str], *, batch_sizes: Mapping[str, int],
                   boundaries: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """`sweep` of every CTranslate2 method of `methods` (method name -> its record), on the
-    CPUs this process may run on; `models`: stage -> artifact URI."""
-    return {method.name: sweep(trained_model.load_cached(models[method.stage]), method, sources,
-                               batch_sizes=batch_sizes, boundaries=boundaries,
-                               cpus=ctranslate2_search.cpus())
+    """`kept_sweep` of every CTranslate2 method of `methods` (method name -> its record),
+    on the CPUs this process may run on; `models`: stage -> artifact URI."""
+    return {method.name: kept_sweep(trained_model.load_cached(models[method.stage]), method,
+                                    sources, batch_sizes=batch_sizes, boundaries=boundaries,
+                                    cpus=ctranslate2_search.cpus())
             for method in methods if method.kind in ctranslate2_search.KINDS}

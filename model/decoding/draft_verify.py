@@ -171,19 +171,22 @@ def draft_verify(
     # Room for a block that starts at the last position of the cap, and the one after it.
     room = width + block + 1
     span = jnp.arange(block + 1)  # [K + 1]
+    # Both models' cross-attention keys and values, once: every round reads them.
+    draft_memory = drafter.memory(drafter_params, draft_encoded, draft_mask)
+    teacher_memory = verifier.memory(verifier_params, teacher_encoded, teacher_mask)
 
     def cond(state: _State) -> jax.Array:
         return ~jnp.all(state.done)
 
     def body(state: _State) -> _State:
-        draft = drafter.draft(drafter_params, draft_encoded, draft_mask,
+        draft = drafter.draft(drafter_params, draft_memory, draft_mask,
                               state.tokens[:, :width], state.length, draft_passes,
                               vocab_ids)  # [B, K]
         previous = jnp.take_along_axis(state.tokens, jnp.maximum(state.length - 1, 0)[:, None],
                                        axis=1)  # [B, 1]
         previous = jnp.where(state.length[:, None] > 0, previous, BOS_ID)
         logits, cache = verifier.block_logits(
-            verifier_params, teacher_encoded, teacher_mask,
+            verifier_params, teacher_memory, teacher_mask,
             jnp.concatenate([previous, draft], axis=1), state.length, state.cache)
         accepted, teacher = accepted_count(draft, logits, top_k=top_k, margin=margin)
         # The accepted drafted tokens, then the teacher's own, unless a drafted EOS ended it.

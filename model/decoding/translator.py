@@ -339,27 +339,34 @@ class Translator:
             out.extend(self._translate_batch(sources[start:start + self.batch_size]))
         return out
 
-    def _translate_batch(self, sources: Sequence[str]) -> list[Translation]:
+    def source_batch(self, sources: Sequence[str]) -> tuple[np.ndarray, int, list[bool]]:
+        """What a batch of at most `batch_size` sentences decodes from: (int32[rows, S],
+        its source ids padded to their bucket, filler rows copying the first sentence up to
+        `batch_size` but for the CTranslate2 kinds; the output cap; whether each source was
+        cut to the widest bucket)."""
         widest = self.boundaries[-1]
         pieces = self.loaded.tokenizer.encode(list(sources))
         rows = [ids[:widest - 1] + [EOS_ID] for ids in pieces]
         longest = max(len(row) for row in rows)
         source_width, max_len = records.decoder_shape(longest, self.boundaries)
-        source = np.full((self.batch_size, source_width), PAD_ID, np.int32)
-        for i in range(self.batch_size):
-            row = rows[i] if i < len(rows) else rows[0]  # filler rows copy the first sentence
+        filled = len(rows) if self._ctranslate2 is not None else self.batch_size
+        source = np.full((filled, source_width), PAD_ID, np.int32)
+        for i in range(filled):
+            row = rows[i] if i < len(rows) else rows[0]
             source[i, :len(row)] = row
-        if self._ctranslate2 is not None:  # no static shapes: no filler rows
-            source = source[:len(rows)]
+        return source, max_len, [len(ids) + 1 > widest for ids in pieces]
+
+    def _translate_batch(self, sources: Sequence[str]) -> list[Translation]:
+        source, max_len, truncated = self.source_batch(sources)
         timed = self._call(source, max_len)
-        shape = (source_width, max_len) + timed[-2:]
+        shape = (source.shape[1], max_len) + timed[-2:]
         if shape not in self._warm:  # it compiled: run again
             self._warm.add(shape)
             timed = self._call(source, max_len)
         output, seconds, encode_seconds, search_seconds, decoded_width, _ = timed
         output = jax.device_get(output)
         translations = []
-        for i, row in enumerate(rows):
+        for i, cut in enumerate(truncated):
             tokens = _hypothesis_ids(output["tokens"][i])
             scores, passes = output["scores"], output["passes"]
             rounds, accepted = output.get("rounds"), output.get("accepted")
@@ -368,14 +375,14 @@ class Translator:
                 tokens=tokens,
                 score=None if scores is None else float(scores[i]),
                 passes=len(tokens) if passes is None else int(passes[i]),
-                source_tokens=len(row),
-                truncated=len(pieces[i]) + 1 > widest,
-                latency_s=seconds / len(rows),
+                source_tokens=int(np.count_nonzero(source[i] != PAD_ID)),
+                truncated=cut,
+                latency_s=seconds / len(truncated),
                 batch_seconds=seconds,
                 encode_seconds=encode_seconds,
                 search_seconds=search_seconds,
                 width=decoded_width,
-                batch_size=len(rows),
+                batch_size=len(truncated),
                 rounds=None if rounds is None else int(rounds[i]),
                 accepted=None if accepted is None else int(accepted[i]),
             ))
