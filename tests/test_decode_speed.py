@@ -145,3 +145,43 @@ def test_floors_time_each_shape_after_compiling_it_once():
     assert first.encode_seconds > 0 and first.search_seconds > 0
     assert again.seconds == again.encode_seconds + again.search_seconds
     assert timer._warm == {("encode", (1, 4)), ("padir", MAX_LEN, 5)}
+
+
+def test_a_batch_floor_runs_each_kind_at_its_rows_and_width():
+    model = ARModel(CONFIG, VOCAB)
+    params = jax.jit(model.init)(jax.random.key(0), BATCH)
+    timer = floors.Floors(model, params)
+    source = np.asarray(BATCH["source"])  # [4, S]
+    greedy = timer.batch("ar_greedy", source, width=5, count=3)
+    beam = timer.batch("ar_beam", source, width=5, count=3, beam_size=2)
+    assert greedy.encode_seconds > 0 and beam.search_seconds > 0
+    # The beam's steps run over its 4 x 2 rows; the encoder once over the batch's 4.
+    assert timer._warm == {("encode", source.shape), ("ar_greedy", source.shape, 5, 1),
+                           ("ar_beam", source.shape, 5, 2)}
+
+
+def test_batch_floors_split_the_stage_into_network_cap_bookkeeping_and_host(monkeypatch):
+    from benchmarks import batch_floors
+
+    seconds = {"stage": 10.0, "calls": 8.0, "floor_at_cap": 5.0, "floor": 4.0}
+    monkeypatch.setattr(batch_floors.floors_lib, "Floors", lambda *a: None)
+    monkeypatch.setattr(batch_floors.floors_lib, "models_of", lambda search: ())
+    monkeypatch.setattr(batch_floors, "time_batch", lambda search, floors, texts: seconds)
+    figures = batch_floors.measure(None, [["a", "b"], ["c"]], repeats=3)
+    assert figures["stage_sentences_per_s"] == pytest.approx(3 / 20.0)
+    assert figures["calls_over_floor"] == pytest.approx(2.0)
+    assert (figures["network_s"], figures["cap_s"], figures["bookkeeping_s"],
+            figures["host_s"]) == pytest.approx((8.0, 2.0, 6.0, 4.0))
+
+
+def test_a_batch_floor_counts_what_the_batch_ran():
+    from benchmarks import batch_floors
+
+    done = [types.SimpleNamespace(tokens=[5] * n, passes=p, rounds=r, width=24)
+            for n, p, r in [(7, 3, 2), (11, 2, 4)]]
+    assert batch_floors.floor_shape("refine", done) == (3, 24, 11)
+    assert batch_floors.floor_shape("draft_verify", done) == (4, 24, 11)
+    assert batch_floors.floor_shape("ar_beam", done) == (11, 24, 11)
+    texts = ["ccc", "a", "bb", "dddd", "e"]
+    tokenizer = types.SimpleNamespace(encode=lambda texts: [[1] * len(t) for t in texts])
+    assert batch_floors.batches(texts, tokenizer, 2) == [["a", "e"], ["bb", "ccc"], ["dddd"]]
