@@ -21,7 +21,9 @@ Contract:
                 (pass `batched` or `latency`), `truncated.{test_set}`; metrics `test_sets`,
                 `methods` (in config order: name, kind, stage), `latency_sentences` (per
                 test set), `throughput` (per test set and method: batch size, sentences,
-                hypothesis tokens, seconds, sentences/s, tokens/s) and `ctranslate2_sweep`
+                hypothesis tokens, seconds, sentences/s, tokens/s), `decode_seconds` (the
+                timed decode calls of every method and pass: what of the stage's wall time
+                was spent decoding) and `ctranslate2_sweep`
                 (per CTranslate2 method, in config order: its name, the test set sampled
                 and its model/decoding/ctranslate2_sweep.py `sweep`: every thread setting timed per
                 pass and the one chosen).
@@ -319,7 +321,13 @@ def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
                 for method in config.decode.methods}
             for split in decoded_splits(config.data)},
         ctranslate2_sweep=[{"method": name, **record}  # a list: config order
-                           for name, record in sweeps.items()])
+                           for name, record in sweeps.items()],
+        # The stage's minutes spent in timed decode calls, against its wall_seconds.
+        decode_seconds=sum(
+            record["latency_s"] for split in decoded_splits(config.data)
+            for method in config.decode.methods for folder in (HYPOTHESES, LATENCY)
+            for record in corpus.read_jsonl(output_path(out.tmp_uri, folder, split,
+                                                        method.name))))
 
 
 def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:

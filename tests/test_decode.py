@@ -290,6 +290,7 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
     assert decoded.manifest["metrics"]["test_sets"] == ["test2016"]
     assert decoded.manifest["metrics"]["latency_sentences"] == {"test2016": LATENCY_SENTENCES}
     assert set(decoded.manifest["inputs"]) == {"prepare", "teacher", "student", "drafter"}
+    decode_seconds = 0.0
     for method in METHODS:
         for folder, name, expected in ((decode.HYPOTHESES, "batched", ids[:MAX_SENTENCES]),
                                        (decode.LATENCY, "latency", ids[:LATENCY_SENTENCES])):
@@ -300,12 +301,15 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
             assert counts[f"decoded.test2016.{method['name']}.{name}"] == len(expected)
             assert all(r["latency_s"] > 0 and r["passes"] >= 1 and r["source_tokens"] >= 2
                        for r in records)
+            decode_seconds += sum(r["latency_s"] for r in records)
             if method["kind"] == "draft_verify":  # its cost: rounds of 1 draft + 1 check
                 assert all(r["passes"] == 2 * r["rounds"] and 0 <= r["accepted"]
                            and r["rounds"] <= r["hypothesis_tokens"] for r in records)
         speed = decoded.manifest["metrics"]["throughput"]["test2016"][method["name"]]
         assert speed["sentences"] == MAX_SENTENCES and speed["batch_size"] == 4
         assert speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
+    spent = decoded.manifest["metrics"]["decode_seconds"]
+    assert spent == pytest.approx(decode_seconds) and spent < decoded.manifest["wall_seconds"]
 
 
 def test_decode_times_each_ctranslate2_method_at_the_threads_its_sweep_chose(config, decoded):
