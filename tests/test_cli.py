@@ -190,7 +190,10 @@ def test_padir_keeps_compiled_programs_in_the_users_cache(tmp_path):
 
 
 def test_an_explicit_compilation_cache_is_kept():
-    environ = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere", "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}
-    assert cli.use_compilation_cache(environ) == "/elsewhere"
-    assert environ == {"JAX_COMPILATION_CACHE_DIR": "/elsewhere",
-                       "JAX_COMPILATION_CACHE_MAX_SIZE": "-1"}
+    environ = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere", "JAX_COMPILATION_CACHE_MAX_SIZE": "-1",
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
+    kept = dict(environ)
+    assert cli.use_compilation_cache(environ) == "/elsewhere" and environ == kept
+    fresh = {"XDG_CACHE_HOME": "/c"}
+    assert cli.use_compilation_cache(fresh) == "/c/padir/jax"
+    assert fresh["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0.1"
