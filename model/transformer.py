@@ -143,6 +143,28 @@ def sum_exp(x: jax.Array, top: jax.Array, excluded: Sequence[int] = ()) -> jax.A
     return jnp.sum(jnp.sum(terms, axis=-1)[..., 1:], axis=-1) + first
 
 
+def top_k_last(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)`: the k largest values over the last axis, descending, and
+    their indices. float[..., V] -> (float[..., k], int32[..., k]).
+
+    Why not `jax.lax.top_k` over V: on XLA:CPU it costs about a sort of every row (a beam
+    of 4 over 4 x 8,000 candidates at 64 sentences: 8 ms a step, as much as the step's
+    network). The k largest lie in the k blocks of `_blocks` with the largest maxima (a
+    value outside them has k blocks' maxima at least as large above it), so this reads
+    the values once for the blocks' maxima and sorts k blocks. Among equal values the
+    indices may differ from `jax.lax.top_k`'s, the values not."""
+    blocks = _blocks(x)  # [..., NB, W]
+    num_blocks, width = blocks.shape[-2:]
+    if k >= num_blocks:
+        values, index = jax.lax.top_k(x, k)
+        return values, index.astype(jnp.int32)
+    _, best = jax.lax.top_k(jnp.max(blocks, axis=-1), k)  # [..., k]: the blocks
+    chosen = jnp.take_along_axis(blocks, best[..., None], axis=-2)  # [..., k, W]
+    values, at = jax.lax.top_k(chosen.reshape(chosen.shape[:-2] + (k * width,)), k)
+    block = jnp.take_along_axis(best, at // width, axis=-1)
+    return values, (block * width + at % width).astype(jnp.int32)
+
+
 def argmax_last(x: jax.Array) -> jax.Array:
     """`jnp.argmax(x, axis=-1)` (ties: the lowest index), vectorised (`max_and_argmax`).
     float[..., V] -> int32[...]."""

@@ -23,6 +23,7 @@ from model.transformer import (
     project_on_table,
     shift_right,
     sum_exp,
+    top_k_last,
 )
 
 VOCAB = 50
@@ -93,6 +94,22 @@ def test_max_and_argmax_is_max_and_jnp_argmax_across_blocks(size):
     np.testing.assert_array_equal(index, np.argmax(x, axis=-1))
     np.testing.assert_array_equal(top, np.max(x, axis=-1))
     assert index.dtype == jnp.int32 and index[1] == size - 1 and index[2] == 5
+
+
+@pytest.mark.parametrize("size,k", [(32000, 4), (16000, 4), (127, 3), (40, 1), (200, 8)])
+def test_top_k_last_is_lax_top_k(size, k):
+    """The k largest from the k blocks with the largest maxima: the values of
+    `jax.lax.top_k`, and its indices where the values are distinct; k of at least the
+    blocks (200 / 50 = 4 < 8) falls back to it."""
+    rng = np.random.default_rng(size)
+    x = rng.normal(size=(6, size)).astype(np.float32)
+    x[1, :k] = 5.0 + np.arange(k)  # the k largest in the first block
+    x[2, -1], x[2, size // 2] = 7.0, 6.0  # in the last block and the middle
+    values, index = jax.jit(top_k_last, static_argnums=1)(x, k)
+    expected_values, expected_index = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(index, expected_index)
+    assert index.dtype == jnp.int32
 
 
 def test_max_and_argmax_and_sum_exp_leave_the_excluded_ids_out():
