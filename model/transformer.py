@@ -35,7 +35,6 @@ Activations are not annotated.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -303,6 +302,23 @@ class Encoder(nn.Module):
         return _rms_norm(cfg, "final_norm")(x)
 
 
+def _to_heads(config: ModelConfig, name: str) -> nn.DenseGeneral:
+    """A query, key or value projection [..., D] -> [..., H, Dh], named and shaped as
+    `nn.MultiHeadDotProductAttention`'s, so the cached modules read its parameters."""
+    return nn.DenseGeneral(
+        features=(config.num_heads, config.d_model // config.num_heads), use_bias=False,
+        dtype=config.dtype, kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")),
+        name=name)
+
+
+def _from_heads(config: ModelConfig) -> nn.DenseGeneral:
+    """The output projection [..., H, Dh] -> [..., D] (`nn.MultiHeadDotProductAttention`'s
+    `out`)."""
+    return nn.DenseGeneral(
+        features=config.d_model, axis=(-2, -1), use_bias=False, dtype=config.dtype,
+        kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out")
+
+
 def _attend(query: jax.Array, keys: jax.Array, values: jax.Array,
             mask: jax.Array | None) -> jax.Array:
     """`nn.dot_product_attention`'s math over keys and values laid out [B, H, Dh, L]:
@@ -338,24 +354,17 @@ class MemoryAttention(nn.Module):
         """x: [B, T, D]; encoded: [B, S, D] (None when the `memory` collection holds the
         keys and values); mask: bool[B, 1, T, S]. Returns [B, T, D]."""
         cfg = self.config
-        dense = functools.partial(
-            nn.DenseGeneral, features=(cfg.num_heads, cfg.d_model // cfg.num_heads),
-            use_bias=False, dtype=cfg.dtype,
-            kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")))
-        query = dense(name="query")(x)
+        query = _to_heads(cfg, "query")(x)
         if self.has_variable("memory", "key"):
             keys, values = self.get_variable("memory", "key"), self.get_variable("memory", "value")
         else:
-            keys, values = (jnp.transpose(dense(name=name)(encoded), (0, 2, 3, 1))
+            keys, values = (jnp.transpose(_to_heads(cfg, name)(encoded), (0, 2, 3, 1))
                             for name in ("key", "value"))  # [B, H, Dh, S]
             if self.is_mutable_collection("memory") and not self.is_initializing():
                 self.put_variable("memory", "key", keys)
                 self.put_variable("memory", "value", values)
         h = _attend(query, keys, values, mask)
-        return nn.DenseGeneral(
-            features=cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
-            kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out",
-        )(h)  # [B, T, D]
+        return _from_heads(cfg)(h)  # [B, T, D]
 
 
 class CachedAttention(nn.Module):
@@ -382,11 +391,7 @@ class CachedAttention(nn.Module):
         [B, W, D]."""
         cfg = self.config
         width = x.shape[1]
-        dense = functools.partial(
-            nn.DenseGeneral, features=(cfg.num_heads, cfg.d_model // cfg.num_heads),
-            use_bias=False, dtype=cfg.dtype,
-            kernel_init=_named(_default_kernel_init, ("embed", "heads", "kv")))
-        query, key, value = (dense(name=name)(x) for name in ("query", "key", "value"))
+        query, key, value = (_to_heads(cfg, name)(x) for name in ("query", "key", "value"))
         key, value = (jnp.transpose(y, (0, 2, 3, 1)) for y in (key, value))  # [B, H, Dh, W]
         cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
         cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape,
@@ -404,10 +409,7 @@ class CachedAttention(nn.Module):
         own = start[..., None] + jnp.arange(width)  # [B, W] or [W]: each query's position
         mask = jnp.arange(keys.shape[-1]) <= own[..., None]  # [B, W, L] or [W, L]
         h = _attend(query, keys, values, mask[..., None, :, :])
-        return nn.DenseGeneral(
-            features=cfg.d_model, axis=(-2, -1), use_bias=False, dtype=cfg.dtype,
-            kernel_init=_named(_default_kernel_init, ("heads", "kv", "embed")), name="out",
-        )(h)  # [B, W, D]
+        return _from_heads(cfg)(h)  # [B, W, D]
 
 
 class DecoderLayer(nn.Module):
