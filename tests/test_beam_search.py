@@ -24,7 +24,7 @@ TABLE[..., list(REAL)] = np.random.default_rng(0).normal(size=(VOCAB, VOCAB, len
 LOG_PROBS = np.asarray(jax.nn.log_softmax(jnp.asarray(TABLE)))
 
 
-def markov_tokens_to_logits(ids, cache):
+def markov_tokens_to_logits(ids, cache, context):
     """The cache holds each row's previous input id [N] and a shared step counter."""
     current = ids[:, 0]
     logits = jnp.asarray(TABLE)[cache["previous"], current]  # [N, V]
@@ -75,7 +75,7 @@ def test_narrow_beam_scores_are_sorted_and_beam_one_is_greedy():
 
 
 def test_immediate_eos():
-    def always_eos(ids, cache):
+    def always_eos(ids, cache, context):
         return jnp.zeros((ids.shape[0], VOCAB)).at[:, EOS_ID].set(100.0), cache
 
     seqs, scores = beam_search(always_eos, markov_cache(6), batch_size=2, beam_size=3, max_len=4)
@@ -83,6 +83,41 @@ def test_immediate_eos():
     np.testing.assert_allclose(scores[:, 0], 0.0, atol=1e-5)
     greedy = greedy_search(always_eos, markov_cache(2), batch_size=2, max_len=4)
     np.testing.assert_array_equal(greedy, [[EOS_ID, 0, 0, 0]] * 2)
+
+
+def test_searches_drop_finished_rows_and_keep_each_rows_output():
+    """40 rows, each emitting its own token until its own step, then EOS: the searches
+    decode them in loops of 40, 20 and 10 rows (finished rows dropped) and every row's
+    output is its own."""
+    rows = 40
+    stops = np.random.default_rng(1).permutation(np.arange(rows) % 12 + 1)  # 1..12 steps
+    shapes = []
+
+    def countdown(ids, cache, context):
+        shapes.append(ids.shape[0])  # at tracing: the rows of each loop
+        stop, token = context
+        emit = jnp.where(cache["step"] + 1 >= stop, EOS_ID, token)  # [N]
+        logits = jnp.zeros((ids.shape[0], VOCAB)).at[jnp.arange(ids.shape[0]), emit].set(50.0)
+        return logits, {"step": cache["step"] + 1}
+
+    context = (jnp.asarray(stops), jnp.asarray(6 + np.arange(rows) % 3))
+    expected = np.zeros((rows, 13), np.int32)
+    for row, stop in enumerate(stops):
+        expected[row, :stop - 1] = 6 + row % 3
+        expected[row, stop - 1] = EOS_ID
+
+    greedy = greedy_search(countdown, {"step": jnp.zeros((rows,), jnp.int32)}, context,
+                           batch_size=rows, max_len=13)
+    np.testing.assert_array_equal(greedy, expected)
+    assert sorted(set(shapes)) == [10, 20, 40]
+
+    shapes.clear()
+    beams = 2
+    seqs, _ = beam_search(countdown, {"step": jnp.zeros((rows * beams,), jnp.int32)},
+                          tuple(jnp.repeat(x, beams) for x in context),
+                          batch_size=rows, beam_size=beams, max_len=13)
+    np.testing.assert_array_equal(seqs[:, 0], expected)
+    assert sorted(set(shapes)) == [20, 40, 80]
 
 
 # --- the tiny AR Transformer with its KV cache ---
@@ -122,9 +157,11 @@ def test_model_beam_scores_sorted_and_match_teacher_forcing(params):
     def search(params):
         enc = jnp.repeat(encoded, beams, axis=0)
         mask = jnp.repeat(memory_mask, beams, axis=0)
+        def step(ids, cache, context):
+            return MODEL.make_tokens_to_logits(params, *context)(ids, cache)
+
         return beam_search(
-            MODEL.make_tokens_to_logits(params, MODEL.memory(params, enc, mask), mask),
-            MODEL.init_cache(params, enc, mask, 6),
+            step, MODEL.init_cache(params, enc, mask, 6), (MODEL.memory(params, enc, mask), mask),
             batch_size=3, beam_size=beams, max_len=6, alpha=0.6,
         )
 
