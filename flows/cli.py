@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         "stage", help="recompute one stage from its inputs (extra flags go to Beam)")
     stage.add_argument("name", choices=dag.STAGES)
     _add_config_args(stage)
+    stage.add_argument("--cores", type=_cores, metavar="0,1",
+                       help="run on these CPUs only (what `padir run --lanes` gives a stage)")
     _add_translate_command(commands)
     _add_export_command(commands)
     _add_pipeline_commands(commands)
@@ -47,12 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
 # --- the whole pipeline: `padir run | status | gc | serve | report` -----------------------
 
 
+def _cores(text: str) -> set[int]:
+    try:
+        return {int(core) for core in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of CPUs: {text!r}")
+
+
 def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="from_stage", metavar="STAGE",
                         help="recompute this stage and everything downstream of it")
     parser.add_argument("--only", metavar="STAGE", help="run just this stage")
     parser.add_argument("--force", action="append", default=[], metavar="STAGE",
                         help="recompute this stage (and downstream); repeatable")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="stages that may run at once, each in a process of its own on "
+                             "its share of the CPUs (flows/lanes.py; default 1: one after "
+                             "the other)")
 
 
 def _add_pipeline_commands(commands) -> None:
@@ -99,7 +112,7 @@ def _run_pipeline(args: argparse.Namespace, config: config_lib.Config) -> int:
     from flows import flow
 
     try:
-        uris = flow.padir_pipeline(args.config, args.set, **selection)
+        uris = flow.padir_pipeline(args.config, args.set, lanes=args.lanes, **selection)
     except flow.StageFailed as e:
         print(f"padir: {logs.redact(str(e))}\npadir: the stages before '{e.stage}' are "
               "reused when rerun", file=sys.stderr)
@@ -166,7 +179,8 @@ def _serve(args: argparse.Namespace, config: config_lib.Config) -> int:
 
     name = args.name or os.path.splitext(os.path.basename(args.config))[0]
     flow.serve(args.config, args.set, name=name, cron=args.cron,
-                   from_stage=args.from_stage, only=args.only, force=args.force)
+                   from_stage=args.from_stage, only=args.only, force=args.force,
+                   lanes=args.lanes)
     return 0
 
 
@@ -461,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ARTIFACT_COMMANDS[args.command](args)
         config = datasets.load_config(args.config, args.set, reads_corpora=_reads_corpora(args))
         if args.command == "stage":
+            if args.cores:  # before the stage imports JAX, TensorFlow or Beam
+                os.sched_setaffinity(0, args.cores)
             artifact = stages.run_stage(args.name, config, pipeline_args=extra)
             print(f"{args.name}: {artifact.uri}")
         elif extra:

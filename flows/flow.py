@@ -15,12 +15,16 @@ or never finished), or one of whose inputs runs, is called with `refresh_cache=T
 the cache key stays the artifact key yet a missing artifact is rebuilt. A complete artifact
 without a cache record (built by `padir stage`) is adopted, not recomputed.
 
-Stages run one after the other in the flow's own thread (no task runner, no process pool):
-JAX must not be initialised in a process that later forks, and the training stages use
-every core anyway. Runs of a served deployment execute in spawned, not forked, processes.
+By default stages run one after the other in the flow's own thread (no process pool: JAX
+must not be initialised in a process that later forks). With `lanes` > 1, the stages a
+run computes start as soon as their inputs are complete, up to `lanes` at once, each in a
+`padir stage` process of its own on its share of the cores (flows/lanes.py); the stages it
+reuses are resolved first, in the flow's thread. Runs of a served deployment execute in
+spawned, not forked, processes.
 
     padir run configs/demo.yaml                         # ephemeral Prefect API, no server
     padir run configs/demo.yaml --from student          # recompute student and downstream
+    padir run configs/multi30k_en_de.yaml --lanes 2     # independent stages side by side
     padir serve configs/multi30k_en_de.yaml --cron "0 3 * * *"   # needs PREFECT_API_URL
 """
 
@@ -35,11 +39,13 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 from prefect.filesystems import RemoteFileSystem
+from prefect.futures import as_completed
 from prefect.states import State
 
 from components import artifacts, dag
 from components import config as config_lib
 from components.config import Config, stable_hash
+from flows import lanes as lanes_lib
 from flows import plan as plan_lib
 from flows import stages
 
@@ -79,13 +85,21 @@ def _artifact_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> 
 @task(cache_key_fn=_artifact_cache_key, persist_result=True, result_serializer="json",
       retries=len(RETRY_DELAYS_SECONDS), retry_delay_seconds=RETRY_DELAYS_SECONDS,
       retry_condition_fn=_retry_if_transient)
-def stage_task(stage: str, config: Config, rerun: bool) -> str:
-    """Computes one stage (unless its artifact is complete and `rerun` is false): its URI."""
+def stage_task(stage: str, config: Config, rerun: bool,
+               process: Optional[tuple[str, tuple[str, ...], tuple[int, ...]]] = None) -> str:
+    """Computes one stage (unless its artifact is complete and `rerun` is false): its URI.
+    `process`: (config path, overrides, cores) to compute it in a process of its own
+    (`lanes_lib.run`), else it runs in this thread."""
     uri = dag.output_uri(config, stage)
     if not rerun and artifacts.is_complete(uri):  # complete, but no cache record: adopt it
         get_run_logger().info("%s: adopting the complete artifact %s", stage, uri)
         return uri
-    return stages.run_stage(stage, config).uri
+    if process is None:
+        return stages.run_stage(stage, config).uri
+    config_path, overrides, cores = process
+    get_run_logger().info("%s: starting on cores %s", stage, ",".join(map(str, cores)))
+    lanes_lib.run(stage, config_path, overrides, cores)
+    return artifacts.read(uri).uri
 
 
 def result_storage(workdir: str) -> Any:
@@ -131,7 +145,7 @@ def publish_report(config: Config) -> Optional[str]:
 @flow(name=FLOW_NAME)
 def padir_pipeline(config_path: str, overrides: tuple[str, ...] = (),
                    from_stage: str | None = None, only: str | None = None,
-                   force: tuple[str, ...] = ()) -> dict[str, str]:
+                   force: tuple[str, ...] = (), lanes: int = 1) -> dict[str, str]:
     """Runs the config's active stages (`components.dag.graph`) in topological order;
     returns stage -> URI.
 
@@ -144,9 +158,11 @@ def padir_pipeline(config_path: str, overrides: tuple[str, ...] = (),
       from_stage: recompute this stage and everything downstream of it.
       only: run just this stage (its inputs must be complete).
       force: recompute these stages (and everything downstream of them).
+      lanes: how many stages may run at once (flows/lanes.py); 1: one after the other.
 
     Raises:
-      StageFailed: naming the stage that raised; stages before it are complete and cached.
+      StageFailed: naming the stage that raised; stages before it are complete and cached
+        (with lanes, the stages running beside it finish first).
     """
     log = get_run_logger()
     config = config_lib.load(config_path, overrides)
@@ -157,11 +173,14 @@ def padir_pipeline(config_path: str, overrides: tuple[str, ...] = (),
         log.info("plan: %-8s %s (%s) %s", step.stage, "run" if step.run else "reuse",
                  step.reason, step.uri)
     storage = result_storage(config.workdir)
+
+    def task_of(step: plan_lib.StagePlan) -> Any:
+        return stage_task.with_options(name=step.stage, task_run_name=step.stage,
+                                       refresh_cache=step.run, result_storage=storage)
+
     uris: dict[str, str] = {}
-    for step in steps:
-        run = stage_task.with_options(name=step.stage, task_run_name=step.stage,
-                                      refresh_cache=step.run, result_storage=storage)
-        state = run(step.stage, config, step.run, return_state=True)
+
+    def record(step: plan_lib.StagePlan, state: State) -> None:
         if not state.is_completed():
             error = state.result(raise_on_failure=False)
             if not isinstance(error, BaseException):
@@ -169,13 +188,52 @@ def padir_pipeline(config_path: str, overrides: tuple[str, ...] = (),
             raise StageFailed(step.stage, error) from error
         uris[step.stage] = state.result()
         publish_manifest(step.stage, uris[step.stage], ran=step.run)
+
+    side_by_side = lanes > 1
+    for step in steps:
+        if not (side_by_side and step.run):
+            record(step, task_of(step)(step.stage, config, step.run, return_state=True))
+    if side_by_side:
+        _run_side_by_side([step for step in steps if step.run], config, lanes, task_of,
+                          record, process=(config_path, tuple(overrides)))
+    uris = {step.stage: uris[step.stage] for step in steps}  # in the plan's order
     publish_report(config)
     return uris
 
 
+def _run_side_by_side(steps: list[plan_lib.StagePlan], config: Config, lanes: int,
+                      task_of: Any, record: Any, *, process: tuple[str, tuple[str, ...]]
+                      ) -> None:
+    """Runs `steps` as `lanes_lib.Scheduler` lets them start; a stage that fails stops new
+    starts, and is raised once the stages running beside it have ended."""
+    by_stage = {step.stage: step for step in steps}
+    scheduler = lanes_lib.Scheduler([step.stage for step in steps], dag.graph(config), lanes,
+                                    lanes_lib.available_cores())
+    running: dict[Any, plan_lib.StagePlan] = {}
+    failure: Optional[StageFailed] = None
+    while not scheduler.done:
+        if failure is None:
+            for stage, cores in scheduler.start():
+                future = task_of(by_stage[stage]).submit(stage, config, True,
+                                                         (*process, cores))
+                running[future] = by_stage[stage]
+        if not running:
+            break
+        future = next(as_completed(list(running)))
+        future.wait()  # sets its final state (else `state` asks the API, which may lag)
+        step = running.pop(future)
+        scheduler.finish(step.stage)
+        try:
+            record(step, future.state)
+        except StageFailed as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+
+
 def serve(config_path: str, overrides: Sequence[str] = (), *, name: str, cron: str,
           from_stage: Optional[str] = None, only: Optional[str] = None,
-          force: Sequence[str] = ()) -> None:
+          force: Sequence[str] = (), lanes: int = 1) -> None:
     """Registers a deployment of the flow on a cron schedule and executes its runs (blocks).
 
     Needs a Prefect server (`prefect server start --host 127.0.0.1`) and PREFECT_API_URL.
@@ -190,5 +248,5 @@ def serve(config_path: str, overrides: Sequence[str] = (), *, name: str, cron: s
             "padir serve needs a Prefect server: run `prefect server start --host 127.0.0.1` "
             "and set PREFECT_API_URL=http://127.0.0.1:4200/api")
     parameters = dict(config_path=os.path.abspath(config_path), overrides=list(overrides),
-                      from_stage=from_stage, only=only, force=list(force))
+                      from_stage=from_stage, only=only, force=list(force), lanes=lanes)
     padir_pipeline.serve(name=name, cron=cron, parameters=parameters, global_limit=1)

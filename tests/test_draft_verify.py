@@ -20,17 +20,18 @@ from tiny_models import (BATCH, FIRST_REAL, MAX_LEN, VOCAB, memorised_ar, memori
 
 @dataclasses.dataclass(frozen=True)
 class Fixed:
-    """A stand-in drafter that drafts given rows: the block after a prefix of n tokens is
-    params[b, n : n + block] (the row's last token past its end)."""
+    """A stand-in drafter that drafts given rows `params` int[B, T]: the block after a
+    prefix of n tokens is params[b, n : n + block] (the row's last token past its end).
+    The rows are its memory, so that they follow their sentences when rows are dropped."""
 
     block: int
 
     def memory(self, params, encoded, memory_mask):
-        return encoded
+        return params
 
     def draft(self, params, memory, memory_mask, tokens, length, passes=1, vocab_ids=None):
-        at = jnp.minimum(length[:, None] + jnp.arange(self.block), params.shape[1] - 1)
-        return jnp.take_along_axis(params, at, axis=1)
+        at = jnp.minimum(length[:, None] + jnp.arange(self.block), memory.shape[1] - 1)
+        return jnp.take_along_axis(memory, at, axis=1)
 
 
 def _teacher_greedy(source):
@@ -109,6 +110,24 @@ def test_rows_of_one_batch_finish_at_different_rounds():
     rounds = np.asarray(result.rounds)
     assert rounds[0] == rounds[3] == 1 and rounds[2] == 2 and rounds[1] == _length(greedy[1]) - 1
     assert len(set(rounds.tolist())) == 3
+
+
+def test_a_large_batch_drops_finished_rows_and_each_row_decodes_as_in_a_small_one():
+    """32 rows (dropped to 16 and 8 as they finish), drafts wrong from a different position
+    in each: every row's tokens, rounds and accepted tokens are those of its batch of 4
+    (too few rows to drop any)."""
+    greedy = _teacher_greedy(BATCH["source"])
+    source = np.tile(BATCH["source"], (8, 1))
+    draft, wrong = np.tile(greedy, (8, 1)), np.tile(_wrong(greedy), (8, 1))
+    for row in range(len(draft)):
+        draft[row, row % 7 + 1:] = wrong[row, row % 7 + 1:]
+    result = _oracle(source, draft, 3)
+    np.testing.assert_array_equal(result.tokens, np.tile(greedy, (8, 1)))
+    for start in range(0, len(draft), 4):
+        small = _oracle(source[start:start + 4], draft[start:start + 4], 3)
+        np.testing.assert_array_equal(result.rounds[start:start + 4], small.rounds)
+        np.testing.assert_array_equal(result.accepted[start:start + 4], small.accepted)
+    assert len(set(np.asarray(result.rounds).tolist())) > 3
 
 
 def test_the_trained_drafter_drafts_and_the_output_is_the_teachers_greedy():

@@ -318,3 +318,53 @@ def test_padir_run_prints_the_outputs_and_padir_report_the_report(fake, fake_con
     assert "stage 'vocab' failed: ValueError: bad" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["run", fake_config, "--only", "nope"])
+
+
+def test_with_lanes_independent_stages_run_side_by_side_each_on_its_cores(fake, fake_config,
+                                                                         monkeypatch):
+    """Every stage the run computes goes to a lane (`lanes.run`, here the fake stage in the
+    task's thread, slowed down); the trainings after encode_distilled overlap on one core
+    each and decode starts after all of them."""
+    spans: dict[str, tuple[float, float, tuple[int, ...]]] = {}
+
+    def lane(stage, config_path, overrides, cores):
+        started = time.monotonic()
+        time.sleep(0.3)
+        fake(stage, config_lib.load(config_path, overrides))
+        spans[stage] = (started, time.monotonic(), tuple(cores))
+
+    monkeypatch.setattr(flow.lanes_lib, "run", lane)
+    monkeypatch.setattr(flow.lanes_lib, "available_cores", lambda: (0, 1))
+    state = run_flow(fake_config, lanes=2)
+    assert state.is_completed(), state.message
+    assert list(state.result()) == order_of(fake_config)
+    trainings = ("student", "ar_student", "drafter")
+    assert sorted(spans[stage][2] for stage in trainings) in ([(0,), (0,), (1,)],
+                                                              [(0,), (1,), (1,)])
+    overlapping = [(a, b) for a in trainings for b in trainings
+                   if a < b and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]]
+    assert overlapping and all(spans[a][2] != spans[b][2] for a, b in overlapping)
+    assert spans["decode"][0] >= max(spans[stage][1] for stage in trainings)
+    assert spans["teacher"][2] == spans["decode"][2] == (0, 1)  # alone: every core
+    assert set(task_states(state, len(dag.STAGES)).values()) == {"Completed"}
+
+    again = run_flow(fake_config, lanes=2)  # nothing left to compute: all cached
+    assert again.is_completed() and again.result() == state.result()
+    assert set(task_states(again, len(dag.STAGES)).values()) == {"Cached"}
+
+
+def test_with_lanes_a_failing_stage_stops_new_starts_and_those_beside_it_finish(
+        fake, fake_config, monkeypatch):
+    def lane(stage, config_path, overrides, cores):
+        time.sleep(0.3 if stage == "student" else 0.0)  # still running when ar_student fails
+        fake(stage, config_lib.load(config_path, overrides))
+
+    monkeypatch.setattr(flow.lanes_lib, "run", lane)
+    monkeypatch.setattr(flow.lanes_lib, "available_cores", lambda: (0, 1))
+    fake.errors["ar_student"] = [ValueError("diverged")]
+    state = run_flow(fake_config, lanes=2)
+    assert state.is_failed()
+    assert "stage 'ar_student' failed: ValueError: diverged" in state.message
+    assert {"student", "ar_student"} <= set(fake.calls)
+    assert not {"drafter", "decode"} & set(fake.calls)  # not started after the failure
+    assert artifacts.is_complete(dag.output_uri(config_lib.load(fake_config), "student"))

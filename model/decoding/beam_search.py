@@ -11,9 +11,9 @@ that runs one decoder step for N rows (N = B for greedy, B * K for beam search; 
 leaves of the cache and of the context, what the step reads per row and never changes,
 such as the encoder's keys and values, have N rows first; scalar leaves such as the cache
 index are shared by all rows), and an explicit state carried through `lax.while_loop`.
-Both searches decode the rows still unfinished only: when no more than half of them are,
-they are gathered, with their cache and context, into a batch half as large (one loop per
-batch size: static shapes), as CTranslate2 drops finished rows.
+Both searches decode the rows still unfinished only (model/decoding/compaction.py): when
+no more than half of them are, they are gathered, with their cache and context, into a
+batch half as large.
 
 Shapes: B batch, K beam size, T max output length, V vocab.
 
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.decoding import compaction
 from model.models import ARModel, Batch, output_length
 from model.transformer import argmax_last, top_k_last
 
@@ -56,20 +57,6 @@ def _ids(columns: jax.Array, vocab_ids: jax.Array | None) -> jax.Array:
     return columns if vocab_ids is None else vocab_ids[columns]
 
 
-# A batch keeps decoding its unfinished rows only: when no more than half of its rows are
-# unfinished, they are gathered into a batch half as large (a step costs about its rows:
-# 3.3 ms at 64 rows, 1.8 at 32, 0.7 at 16 for the benchmark's teacher on 2 cores), down to
-# this many rows, below which a step costs about the same whatever its rows.
-MIN_ROWS = 8
-
-
-def _take_rows(tree: Any, rows: jax.Array) -> Any:
-    """The rows `rows` of every leaf with rows first; scalar leaves are shared."""
-    return jax.tree.map(
-        lambda leaf: leaf if leaf.ndim == 0 else jnp.take(leaf, rows, axis=0, mode="clip"),
-        tree)
-
-
 def greedy_search(
     tokens_to_logits: TokensToLogits,
     cache: Any,
@@ -83,10 +70,7 @@ def greedy_search(
 ) -> jax.Array:
     """Greedy decoding: argmax each step, a row stops at its EOS.
 
-    The loop runs over the batch's unfinished rows only, as CTranslate2 drops finished
-    ones: each time no more than half of the rows decoding are unfinished (and at least
-    `MIN_ROWS` would remain), the unfinished ones are gathered into half as many rows,
-    their cache and context with them (one `lax.while_loop` per batch size: static shapes).
+    The loop runs over the batch's unfinished rows only (`compaction.while_unfinished`).
 
     Args:
       tokens_to_logits: the one-step callback (see module docstring).
@@ -100,6 +84,10 @@ def greedy_search(
     Returns:
       int32[B, T]: ids up to and including EOS, PAD_ID after it.
     """
+
+    def cond(state):
+        step, done = state[0], state[3]
+        return (step < max_len) & ~jnp.all(done)
 
     def body(state):
         step, tokens, last, done, cache, context, rows = state
@@ -119,26 +107,15 @@ def greedy_search(
         context,
         jnp.arange(batch_size),  # rows [N]: each decoding row's row of the batch
     )
-    output = jnp.zeros((batch_size, max_len), jnp.int32)
-    rows = batch_size
-    while True:
-        half = rows // 2
-        last_size = half < MIN_ROWS
 
-        def cond(state, half=half, last_size=last_size):
-            done = state[3]
-            going = (state[0] < max_len) & ~jnp.all(done)
-            return going if last_size else going & (jnp.sum(~done) > half)
+    def collect(output, state):
+        tokens, rows = state[1], state[-1]
+        return output.at[rows].set(tokens)
 
-        state = jax.lax.while_loop(cond, body, state)
-        step, tokens, _, done, _, _, batch_rows = state
-        output = output.at[batch_rows].set(tokens)
-        if last_size:
-            return output
-        # The unfinished rows first (at most `half` of them), then finished ones to fill.
-        keep = jnp.argsort(done, stable=True)[:half]
-        state = (step,) + _take_rows(state[1:], keep)
-        rows = half
+    return compaction.while_unfinished(
+        cond, body, state, rows=batch_size, done=lambda state: state[3],
+        take=compaction.take_rows, collect=collect,
+        result=jnp.zeros((batch_size, max_len), jnp.int32))
 
 
 @flax.struct.dataclass
@@ -175,17 +152,17 @@ def _gather_cache(cache: Any, beam_indices: jax.Array) -> Any:
     sentence for each row it writes (XLA:CPU selects among them), 4x the bytes at K 4."""
     batch, beams = beam_indices.shape
     rows = (jnp.arange(batch)[:, None] * beams + beam_indices).reshape(-1)  # [B * K]
-    return _take_rows(cache, rows)
+    return compaction.take_rows(cache, rows)
 
 
 def _take_sentences(state: BeamState, keep: jax.Array) -> BeamState:
     """The sentences `keep` int[M] of `state`, their beams' cache rows with them."""
     beams = state.alive_seqs.shape[1]
-    fields = {name: _take_rows(getattr(state, name), keep)
+    fields = {name: compaction.take_rows(getattr(state, name), keep)
               for name in _RESULT_FIELDS + ("done", "rows")}
     cache_rows = (keep[:, None] * beams + jnp.arange(beams)).reshape(-1)  # [M * K]
-    return BeamState(step=state.step, cache=_take_rows(state.cache, cache_rows),
-                     context=_take_rows(state.context, cache_rows), **fields)
+    return BeamState(step=state.step, cache=compaction.take_rows(state.cache, cache_rows),
+                     context=compaction.take_rows(state.context, cache_rows), **fields)
 
 
 def beam_search(
@@ -203,9 +180,8 @@ def beam_search(
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search with the GNMT length penalty.
 
-    Like `greedy_search`, the loop runs over the sentences still searching: each time no
-    more than half of them are, they are gathered into half as many (their beams' cache
-    rows with them), down to `MIN_ROWS` sentences.
+    Like `greedy_search`, the loop runs over the sentences still searching only
+    (`compaction.while_unfinished`), their beams' cache rows with them.
 
     Args:
       tokens_to_logits: the one-step callback for B * K rows (row b * K + k is beam k of
@@ -225,6 +201,9 @@ def beam_search(
     """
     beams = beam_size
     final_penalty = length_penalty(max_len, alpha)
+
+    def cond(state: BeamState) -> jax.Array:
+        return (state.step < max_len) & ~jnp.all(state.done)
 
     def body(state: BeamState) -> BeamState:
         step, batch = state.step, state.done.shape[0]
@@ -294,24 +273,14 @@ def beam_search(
         context=context,
         rows=jnp.arange(batch_size),
     )
-    result = {name: getattr(state, name) for name in _RESULT_FIELDS}
-    sentences = batch_size
-    while True:
-        half = sentences // 2
-        last_size = half < MIN_ROWS
+    def collect(result, state):
+        return {name: value.at[state.rows].set(getattr(state, name))
+                for name, value in result.items()}
 
-        def cond(state: BeamState, half=half, last_size=last_size):
-            going = (state.step < max_len) & ~jnp.all(state.done)
-            return going if last_size else going & (jnp.sum(~state.done) > half)
-
-        state = jax.lax.while_loop(cond, body, state)
-        result = {name: value.at[state.rows].set(getattr(state, name))
-                  for name, value in result.items()}
-        if last_size:
-            break
-        # The sentences still searching first (at most `half`), then finished ones to fill.
-        state = _take_sentences(state, jnp.argsort(state.done, stable=True)[:half])
-        sentences = half
+    result = compaction.while_unfinished(
+        cond, body, state, rows=batch_size, done=lambda state: state.done,
+        take=_take_sentences, collect=collect,
+        result={name: getattr(state, name) for name in _RESULT_FIELDS})
 
     # Rows with no finished hypothesis fall back to their alive ones (length T, no EOS).
     any_finished = jnp.any(result["finished_flags"], axis=1)  # [B]

@@ -18,7 +18,9 @@ SpecDec (Xia et al., Findings of EMNLP 2023), blockwise parallel decoding (Stern
 The next round starts its block where the accepted output ends: what the teacher's cache
 holds past that (the rejected draft's keys and values) is overwritten or never read, so a
 row that accepts less than its block needs no rollback. The teacher's work a round is K + 1
-positions, not the output so far: a round costs about one greedy step of K + 1 rows.
+positions, not the output so far: a round costs about one greedy step of K + 1 rows. As
+the AR searches, the rounds run over the unfinished rows only (model/decoding/
+compaction.py).
 
 Exact verification (`top_k=1`) accepts a drafted token only if it is the teacher's argmax
 over target ids (ties: the lowest id, as `beam_search.greedy_search`): the output is then
@@ -51,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.decoding import compaction
 from model.models import place_block
 from model.transformer import argmax_ids, mask_non_target_ids
 
@@ -101,6 +104,9 @@ class _State:
     rounds: jax.Array  # int32[B]
     accepted: jax.Array  # int32[B]
     cache: Any  # the teacher's keys and values, positions < length valid
+    # What the rounds read per row: both models' cross-attention keys and values and masks.
+    context: tuple[Any, jax.Array, Any, jax.Array]
+    rows: jax.Array  # int32[B]: each row's row of the batch
 
 
 def accepted_count(draft: jax.Array, logits: jax.Array, *, top_k: int,
@@ -167,18 +173,15 @@ def draft_verify(
         raise ValueError(f"draft_passes and top_k must be >= 1, got {draft_passes}, {top_k}")
     (draft_encoded, draft_mask), (teacher_encoded, teacher_mask) = encoded
     block = drafter.block
-    batch = draft_encoded.shape[0]
     # Room for a block that starts at the last position of the cap, and the one after it.
     room = width + block + 1
     span = jnp.arange(block + 1)  # [K + 1]
-    # Both models' cross-attention keys and values, once: every round reads them.
-    draft_memory = drafter.memory(drafter_params, draft_encoded, draft_mask)
-    teacher_memory = verifier.memory(verifier_params, teacher_encoded, teacher_mask)
-
     def cond(state: _State) -> jax.Array:
         return ~jnp.all(state.done)
 
     def body(state: _State) -> _State:
+        draft_memory, draft_mask, teacher_memory, teacher_mask = state.context
+        batch = state.done.shape[0]
         draft = drafter.draft(drafter_params, draft_memory, draft_mask,
                               state.tokens[:, :width], state.length, draft_passes,
                               vocab_ids)  # [B, K]
@@ -208,14 +211,30 @@ def draft_verify(
             rounds=state.rounds + active.astype(jnp.int32),
             accepted=state.accepted + jnp.where(active, accepted, 0),
             cache=cache,
+            context=state.context,
+            rows=state.rows,
         )
 
+    def collect(result: DraftVerifyResult, state: _State) -> DraftVerifyResult:
+        return DraftVerifyResult(
+            tokens=result.tokens.at[state.rows].set(state.tokens[:, :width]),
+            lengths=result.lengths.at[state.rows].set(state.length),
+            rounds=result.rounds.at[state.rows].set(state.rounds),
+            accepted=result.accepted.at[state.rows].set(state.accepted),
+            passes=result.passes.at[state.rows].set(state.rounds * (draft_passes + 1)))
+
+    batch = draft_encoded.shape[0]
     zeros = jnp.zeros((batch,), jnp.int32)
-    state = jax.lax.while_loop(cond, body, _State(
+    state = _State(
         tokens=jnp.zeros((batch, room), jnp.int32), length=zeros,
         done=jnp.zeros((batch,), bool), rounds=zeros, accepted=zeros,
-        cache=verifier.init_block_cache(verifier_params, teacher_encoded, teacher_mask,
-                                        room)))
-    return DraftVerifyResult(tokens=state.tokens[:, :width], lengths=state.length,
-                             rounds=state.rounds, accepted=state.accepted,
-                             passes=state.rounds * (draft_passes + 1))
+        cache=verifier.init_block_cache(verifier_params, teacher_encoded, teacher_mask, room),
+        # Both models' cross-attention keys and values, once: every round reads them.
+        context=(drafter.memory(drafter_params, draft_encoded, draft_mask), draft_mask,
+                 verifier.memory(verifier_params, teacher_encoded, teacher_mask), teacher_mask),
+        rows=jnp.arange(batch))
+    return compaction.while_unfinished(
+        cond, body, state, rows=batch, done=lambda state: state.done,
+        take=compaction.take_rows, collect=collect,
+        result=DraftVerifyResult(tokens=jnp.zeros((batch, width), jnp.int32), lengths=zeros,
+                                 rounds=zeros, accepted=zeros, passes=zeros))
