@@ -15,15 +15,17 @@ a change in the machine's load touches them alike (medians over `--repeats`):
 * **calls**: the jitted calls alone (`batch_seconds`: what the stage's sentences/s count);
 * **floor at the cap**: the plain network work of the method's shape (benchmarks/floors.py
   `Floors.batch`): the encoder, then as many plain passes, cached steps or rounds as the
-  batch ran, over the positions the method ran them at (PaDIR: its width, a multiple of 8;
-  AR: its cache of the output cap; draft and verify: the cap);
+  batch ran, over the rows it ran them on (the AR searches and draft and verify drop
+  finished rows: `compaction.loops`) and the positions it ran them at (PaDIR: its width,
+  a multiple of 8; AR: its cache of the output cap; draft and verify: the cap);
 * **floor**: the same over the batch's longest output only.
 
 The stage's time then splits into network (the floor), the cap (floor at the cap less the
 floor), search bookkeeping (calls less the floor at the cap: the loop's flags and writes,
 a beam's top-k and cache reordering, PaDIR's acceptance and convergence test) and host
-work (stage less calls). Greedy's and beam's floors run the longest output's steps; beam
-search may run a few more before it knows no live beam can win (counted as bookkeeping).
+work (stage less calls). Greedy's and beam's floors step each row to its output's end;
+beam search may run a few more steps before it knows no live beam can win (counted as
+bookkeeping).
 Methods over a shortlist and kinds without a floor (refine_rescored, adaptive, the
 CTranslate2 kinds) are left out.
 """
@@ -41,7 +43,7 @@ from benchmarks import floors as floors_lib
 from components import artifacts, corpus, dag
 from components import config as config_lib
 from model import trained_model
-from model.decoding import translator
+from model.decoding import compaction, translator
 from pipelines import decode
 
 KINDS = floors_lib.PASS_KINDS + ("ar_greedy", "ar_beam", "draft_verify")
@@ -70,17 +72,21 @@ def batches(texts: Sequence[str], tokenizer: Any, batch_size: int) -> list[list[
     return [ordered[i:i + batch_size] for i in range(0, len(ordered), batch_size)]
 
 
-def floor_shape(kind: str, done: Sequence[translator.Translation]) -> tuple[int, int, int]:
-    """(count, width at the cap, longest output) of a decoded batch: the passes, steps or
-    rounds it ran; the positions the method ran them at; its longest output, EOS counted."""
+def floor_shape(kind: str, done: Sequence[translator.Translation], rows: int
+                ) -> tuple[list[tuple[int, int]], int, int]:
+    """(loops, width at the cap, longest output) of a decoded batch of `rows` rows (its
+    sentences, then filler rows that copy the first): the (rows, count) of the loops it
+    ran (count: passes, steps or rounds); the positions the method ran them at; its longest
+    output, EOS counted."""
     longest = max(len(t.tokens) for t in done)
+    filled = list(done) + [done[0]] * (rows - len(done))
     if kind in floors_lib.PASS_KINDS:
-        count = max(t.passes for t in done)
+        loops = [(rows, max(t.passes for t in done))]
     elif kind == "draft_verify":
-        count = max(t.rounds for t in done)
-    else:  # one step per token of the longest output
-        count = longest
-    return count, done[0].width, longest
+        loops = compaction.loops([t.rounds for t in filled])
+    else:  # one step per token of each output
+        loops = compaction.loops([len(t.tokens) for t in filled])
+    return loops, done[0].width, longest
 
 
 def time_batch(search: translator.Translator, floors: floors_lib.Floors,
@@ -90,11 +96,11 @@ def time_batch(search: translator.Translator, floors: floors_lib.Floors,
     done = search.translate(texts)
     stage = time.perf_counter() - started
     source, _, _ = search.source_batch(texts)
-    count, cap_width, longest = floor_shape(search.method.kind, done)
+    loops, cap_width, longest = floor_shape(search.method.kind, done, len(source))
     beam_size = search.method.beam_size if search.method.kind == "ar_beam" else 1
 
     def floor(width: int) -> float:
-        return floors.batch(search.method.kind, source, width=width, count=count,
+        return floors.batch(search.method.kind, source, width=width, loops=loops,
                             beam_size=beam_size).seconds
 
     return {"stage": stage, "calls": done[0].batch_seconds,

@@ -209,24 +209,30 @@ class Floors:
                                        encoded, jnp.int32(rounds))
         return Floor(encode_seconds, search_seconds)
 
-    def batch(self, kind: str, source: np.ndarray, *, width: int, count: int,
-              beam_size: int = 1) -> Floor:
+    def batch(self, kind: str, source: np.ndarray, *, width: int,
+              loops: Sequence[tuple[int, int]], beam_size: int = 1) -> Floor:
         """The floor of one batch as a method of `kind` decodes it: the encoder on `source`
-        int32[B, S] (padded to its bucket), then `count` plain passes, steps or rounds into
-        `width` positions (PaDIR: the passes' length; AR: cache slots; draft and verify:
-        its output width). AR beam search: steps over the B x `beam_size` rows of its
-        beams (the encoder on the B rows, its output repeated untimed)."""
+        int32[B, S] (padded to its bucket), then per (rows, count) of `loops` that many
+        plain passes, steps or rounds over that many rows into `width` positions (PaDIR:
+        the passes' length; AR: cache slots; draft and verify: its output width): the AR
+        searches and draft and verify drop finished rows (model/decoding/compaction.py
+        `loops`), PaDIR runs one loop over all of them. AR beam search: steps over the
+        rows x `beam_size` rows of its beams (the encoder on the B rows, its output
+        repeated untimed)."""
         encoded, encode_seconds = self._call(("encode", source.shape), self._encode,
                                              self.params, source)
-        key = (kind, source.shape, width, beam_size)
-        if kind in PASS_KINDS:
-            fn, args = functools.partial(self._padir, length=width), encoded[:2]
-        elif kind == "draft_verify":
-            fn, args = functools.partial(self._draft_verify, width=width), (encoded,)
-        else:
-            fn = functools.partial(self._greedy, slots=width)
-            args = tuple(jnp.repeat(x, beam_size, axis=0) for x in encoded[:2])
-        _, search_seconds = self._call(key, fn, self.params, *args, jnp.int32(count))
+        search_seconds = 0.0
+        for rows, count in loops:
+            part = jax.tree.map(lambda x: x[:rows], encoded)
+            key = (kind, (rows,) + source.shape[1:], width, beam_size)
+            if kind in PASS_KINDS:
+                fn, args = functools.partial(self._padir, length=width), part[:2]
+            elif kind == "draft_verify":
+                fn, args = functools.partial(self._draft_verify, width=width), (part,)
+            else:
+                fn = functools.partial(self._greedy, slots=width)
+                args = tuple(jnp.repeat(x, beam_size, axis=0) for x in part[:2])
+            search_seconds += self._call(key, fn, self.params, *args, jnp.int32(count))[1]
         return Floor(encode_seconds, search_seconds)
 
     def verify_against_step(self, source_ids: Sequence[int], *, source_width: int,

@@ -23,7 +23,8 @@ Contract:
                 test set), `throughput` (per test set and method: batch size, sentences,
                 hypothesis tokens, seconds, sentences/s, tokens/s), `decode_seconds` (the
                 timed decode calls of every method and pass: what of the stage's wall time
-                was spent decoding) and `ctranslate2_sweep`
+                was spent decoding), `time_split` (`time_split`: that, and where the rest
+                went) and `ctranslate2_sweep`
                 (per CTranslate2 method, in config order: its name, the test set sampled
                 and its model/decoding/ctranslate2_sweep.py `sweep`: every thread setting timed per
                 pass and the one chosen).
@@ -63,7 +64,9 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import sys
+import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import apache_beam as beam
@@ -73,7 +76,7 @@ from apache_beam.ml.inference.base import KeyedModelHandler, PredictionResult, R
 from components import artifacts, corpus, dag, report
 from components import config as config_lib
 from components import tokenizer as tokenizer_lib
-from pipelines import batching, job
+from pipelines import batching, job, model_handler
 from pipelines import options as options_lib
 from pipelines.model_handler import TranslationModelHandler
 
@@ -242,7 +245,8 @@ def build(pipeline: beam.Pipeline, config: config_lib.Config, *, prepared_uri: s
                     checkpoints[method.stage], method, batch_size=batch_size,
                     boundaries=boundaries,
                     rescorer_uri=checkpoints.get(method.rescorer),
-                    ctranslate2_threads=ctranslate2_threads.get((method.name, name)))
+                    ctranslate2_threads=ctranslate2_threads.get((method.name, name)),
+                    time_namespace=NAMESPACE)
                 first = folder == HYPOTHESES and method is settings.methods[0]
                 _ = examples | f"Decode[{split}/{method.name}/{name}]" >> DecodeAndWrite(
                     handler, output_path(output_uri, folder, split, method.name),
@@ -291,12 +295,13 @@ def sweep_ctranslate2(config: config_lib.Config, prepared_uri: str,
     return {name: {"test_set": split, **record} for name, record in records.items()}
 
 
-def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
+def finish(config: config_lib.Config, sweeps: Mapping[str, Any], sweep_seconds: list[float],
            out: artifacts.PendingArtifact, finished: job.Finished) -> None:
     """Every sentence read is decoded by every method in the batched pass, and the latency
-    sample in the latency pass; the manifest gets the counts, the throughput and the
-    CTranslate2 methods' sweeps."""
-    counts = finished.counts
+    sample in the latency pass; the manifest gets the counts, the throughput, the
+    CTranslate2 methods' sweeps and where the stage's time went."""
+    counts = dict(finished.counts)
+    spent = model_handler.time_split(counts)
     balances = {}
     for split in decoded_splits(config.data):
         read = counts[f"read.{split}"]
@@ -308,6 +313,10 @@ def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
                          if name.startswith(f"decoded.{split}.")})
     job.check_accounting("decode", balances)
     out.counts.update(counts)
+    decode_seconds = sum(
+        record["latency_s"] for split in decoded_splits(config.data)
+        for method in config.decode.methods for folder in (HYPOTHESES, LATENCY)
+        for record in corpus.read_jsonl(output_path(out.tmp_uri, folder, split, method.name)))
     out.metrics.update(
         test_sets=list(decoded_splits(config.data)),
         methods=[{"name": method.name, "kind": method.kind, "stage": method.stage}
@@ -323,11 +332,25 @@ def finish(config: config_lib.Config, sweeps: Mapping[str, Any],
         ctranslate2_sweep=[{"method": name, **record}  # a list: config order
                            for name, record in sweeps.items()],
         # The stage's minutes spent in timed decode calls, against its wall_seconds.
-        decode_seconds=sum(
-            record["latency_s"] for split in decoded_splits(config.data)
-            for method in config.decode.methods for folder in (HYPOTHESES, LATENCY)
-            for record in corpus.read_jsonl(output_path(out.tmp_uri, folder, split,
-                                                        method.name))))
+        decode_seconds=decode_seconds,
+        time_split=time_split(decode_seconds, spent, sum(sweep_seconds), finished.seconds))
+    logging.info("decode: %s", ", ".join(f"{what} {seconds:.0f} s"
+                                          for what, seconds in out.metrics["time_split"].items()))
+
+
+def time_split(decode_seconds: float, spent: Mapping[str, float], sweep_seconds: float,
+               job_seconds: float) -> dict[str, float]:
+    """The stage's seconds by what they were spent on: the timed decode calls; the first
+    calls of each shape (compiling); restoring models; the host's work around the calls;
+    CTranslate2's thread sweep; and the rest of the Beam job (reading, reshuffling,
+    batching, writing: the job's seconds less what its handlers timed)."""
+    handlers = decode_seconds + sum(spent.values())
+    return {"decode calls": round(decode_seconds, 1),
+            "first calls (compiling)": round(spent["compiling"], 1),
+            "loading models": round(spent["loading"], 1),
+            "host around the calls": round(spent["host"], 1),
+            "CTranslate2 sweep": round(sweep_seconds, 1),
+            "Beam and I/O": round(max(0.0, job_seconds - handlers), 1)}
 
 
 def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifacts.Artifact:
@@ -341,10 +364,13 @@ def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifac
     tokenizer = tokenizer_lib.Tokenizer.for_artifact(checkpoints[needed[0]])
     uris = {stage: artifact.uri for stage, artifact in checkpoints.items()}
     sweeps: dict[str, dict[str, Any]] = {}
+    sweep_seconds: list[float] = []
 
     def build_job(pipeline: beam.Pipeline, output_uri: str) -> None:
         # Under the stage's lease and before any decode, so that nothing else runs beside it.
+        started = time.perf_counter()
         sweeps.update(sweep_ctranslate2(config, prepared.uri, uris))
+        sweep_seconds.append(time.perf_counter() - started)
         build(pipeline, config, prepared_uri=prepared.uri, checkpoints=uris,
               tokenizer=tokenizer, output_uri=output_uri,
               ctranslate2_threads={(name, regime): record[regime]["chosen"]
@@ -354,7 +380,7 @@ def run(config: config_lib.Config, pipeline_args: Sequence[str] = ()) -> artifac
     return job.run(
         config, "decode", pipeline_args, inputs={"prepare": prepared, **checkpoints},
         build=build_job, namespace=NAMESPACE, counter_names=counter_names(config),
-        finish=functools.partial(finish, config, sweeps))
+        finish=functools.partial(finish, config, sweeps, sweep_seconds))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -39,6 +39,7 @@ import logging
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from apache_beam.metrics.metric import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
 from components.config import DecodeMethod
@@ -46,6 +47,18 @@ from components.config import DecodeMethod
 log = logging.getLogger(__name__)
 
 NAMESPACE = "padir_inference"  # RunInference's own metrics (load time, inference counts)
+# Where a job's time goes besides its timed calls, counters in milliseconds (`time_split`):
+# restoring models and building translators; the first calls of each shape (compiling,
+# and a decode not timed); the host's work around the calls (tokenising, padding,
+# detokenising).
+LOADING, COMPILING, HOST = "ms.loading", "ms.compiling", "ms.host"
+_LOADING_SECONDS: collections.defaultdict = collections.defaultdict(float)  # not counted yet
+
+
+def time_split(counts: dict[str, int]) -> dict[str, float]:
+    """Takes the time counters out of a job's `counts`: seconds by what they timed."""
+    return {name.split(".", 1)[1]: counts.pop(name, 0) / 1000
+            for name in (LOADING, COMPILING, HOST)}
 # load_model calls in this process, by (artifact URI, method name, batch size).
 LOADS: collections.Counter = collections.Counter()
 PROGRESS_EVERY_S = 60.0
@@ -66,13 +79,16 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         rescored kind; restored once per process like the model.
       ctranslate2_threads: a CTranslate2 kind's threads, {"intra_threads",
         "inter_threads"} (model/decoding/ctranslate2_search.py `Threads`; None: its default).
+      time_namespace: the Beam namespace to count its time in (`time_split`; None: not
+        counted).
     """
 
     def __init__(self, artifact_uri: str, method: DecodeMethod, *, batch_size: int,
                  boundaries: Optional[Sequence[int]] = None,
                  expected_sentences: Optional[int] = None,
                  rescorer_uri: Optional[str] = None,
-                 ctranslate2_threads: Optional[Mapping[str, int]] = None):
+                 ctranslate2_threads: Optional[Mapping[str, int]] = None,
+                 time_namespace: Optional[str] = None):
         super().__init__(min_batch_size=batch_size, max_batch_size=batch_size)
         self._artifact_uri = artifact_uri
         self._method = method
@@ -81,6 +97,7 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         self._expected = expected_sentences
         self._rescorer_uri = rescorer_uri
         self._ctranslate2_threads = ctranslate2_threads
+        self._time_namespace = time_namespace
         self._translated = 0
         self._started: Optional[float] = None
         self._logged = 0.0
@@ -92,25 +109,40 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
         from model.decoding import ctranslate2_search
 
         LOADS[(self._artifact_uri, self._method.name, self._batch_size)] += 1
+        started = time.perf_counter()
         rescorer = (trained_model.load_cached(self._rescorer_uri) if self._rescorer_uri
                     else None)
-        return translator.Translator(
+        model = translator.Translator(
             trained_model.load_cached(self._artifact_uri), self._method,
             batch_size=self._batch_size, boundaries=self._boundaries,
             rescorer=rescorer,
             ctranslate2_threads=(ctranslate2_search.Threads(**self._ctranslate2_threads)
                                  if self._ctranslate2_threads else None))
+        # Counted with the next batch this process decodes: Beam drops what a DoFn's setup
+        # counts, and the instance that loads may not be the one that decodes.
+        _LOADING_SECONDS[self._time_namespace] += time.perf_counter() - started
+        return model
 
     def run_inference(self, batch: Sequence[str], model: Any,
                       inference_args: Optional[dict[str, Any]] = None
                       ) -> Iterable[PredictionResult]:
         if self._started is None:
             self._started = self._logged = time.monotonic()
+        started, compiled = time.perf_counter(), model.compile_seconds
         translations = model.translate(list(batch))
+        compiling = model.compile_seconds - compiled
+        self._count_ms(LOADING, _LOADING_SECONDS.pop(self._time_namespace, 0.0))
+        self._count_ms(COMPILING, compiling)
+        self._count_ms(HOST, time.perf_counter() - started - compiling
+                       - translations[0].batch_seconds)
         self._translated += len(batch)
         self._log_progress()
         for source, translation in zip(batch, translations):
             yield PredictionResult(source, translation.as_record(), self._artifact_uri)
+
+    def _count_ms(self, name: str, seconds: float) -> None:
+        if self._time_namespace is not None:
+            Metrics.counter(self._time_namespace, name).inc(round(1000 * seconds))
 
     def _log_progress(self) -> None:
         now = time.monotonic()

@@ -11,6 +11,7 @@ import pytest
 
 from components.config import ModelConfig
 from components.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from model.decoding import compaction
 from model.decoding.beam_search import NEG_INF, beam_search, greedy_search, length_penalty
 from model.models import ARModel
 from model.transformer import mask_non_target_ids
@@ -171,3 +172,16 @@ def test_model_beam_scores_sorted_and_match_teacher_forcing(params):
     for k in range(beams):
         expected = teacher_forced_scores(params, seqs[:, k], 0.6)
         np.testing.assert_allclose(scores[:, k][filled[:, k]], expected[filled[:, k]], rtol=1e-4)
+
+
+def test_the_loops_of_a_batch_are_what_the_search_runs():
+    """compaction.loops, from each row's finishing step, says the (rows, steps) of every
+    loop: here 40 rows as in the countdown test above."""
+    stops = np.random.default_rng(1).permutation(np.arange(40) % 12 + 1)
+    loops = compaction.loops(stops.tolist())
+    assert [rows for rows, _ in loops] == [40, 20, 10]
+    assert sum(steps for _, steps in loops) == stops.max()
+    # 40 rows run until at most 20 are unfinished: after the step where 20 have finished.
+    assert loops[0] == (40, int(np.sort(stops)[19]))
+    assert compaction.loops([3] * 16) == [(16, 3)]  # all finish together: one loop
+    assert compaction.loops([1, 5, 2]) == [(3, 5)]  # too few rows to drop any

@@ -310,6 +310,14 @@ def test_decode_writes_one_record_per_sentence_method_and_pass(config, decoded):
         assert speed["sentences_per_s"] > 0 and speed["tokens_per_s"] > 0
     spent = decoded.manifest["metrics"]["decode_seconds"]
     assert spent == pytest.approx(decode_seconds) and spent < decoded.manifest["wall_seconds"]
+    # Where the rest of the stage's time went: every part counted, none negative, and
+    # together no more than the stage's wall time.
+    split = decoded.manifest["metrics"]["time_split"]
+    assert split["decode calls"] == pytest.approx(spent, abs=0.05)
+    assert split["first calls (compiling)"] > 0  # loading: ~0 if the models were restored
+    assert split["host around the calls"] > 0 and min(split.values()) >= 0
+    assert sum(split.values()) < decoded.manifest["wall_seconds"]
+    assert not any(name.startswith("ms.") for name in counts)  # not counts: the split
 
 
 def test_decode_times_each_ctranslate2_method_at_the_threads_its_sweep_chose(config, decoded):

@@ -152,12 +152,13 @@ def test_a_batch_floor_runs_each_kind_at_its_rows_and_width():
     params = jax.jit(model.init)(jax.random.key(0), BATCH)
     timer = floors.Floors(model, params)
     source = np.asarray(BATCH["source"])  # [4, S]
-    greedy = timer.batch("ar_greedy", source, width=5, count=3)
-    beam = timer.batch("ar_beam", source, width=5, count=3, beam_size=2)
+    greedy = timer.batch("ar_greedy", source, width=5, loops=[(4, 3), (2, 1)])
+    beam = timer.batch("ar_beam", source, width=5, loops=[(4, 3)], beam_size=2)
     assert greedy.encode_seconds > 0 and beam.search_seconds > 0
-    # The beam's steps run over its 4 x 2 rows; the encoder once over the batch's 4.
-    assert timer._warm == {("encode", source.shape), ("ar_greedy", source.shape, 5, 1),
-                           ("ar_beam", source.shape, 5, 2)}
+    # Each loop at its rows (the beam's over its 4 x 2); the encoder once over the batch's 4.
+    rows = source.shape[1:]
+    assert timer._warm == {("encode", source.shape), ("ar_greedy", (4,) + rows, 5, 1),
+                           ("ar_greedy", (2,) + rows, 5, 1), ("ar_beam", (4,) + rows, 5, 2)}
 
 
 def test_batch_floors_split_the_stage_into_network_cap_bookkeeping_and_host(monkeypatch):
@@ -179,9 +180,11 @@ def test_a_batch_floor_counts_what_the_batch_ran():
 
     done = [types.SimpleNamespace(tokens=[5] * n, passes=p, rounds=r, width=24)
             for n, p, r in [(7, 3, 2), (11, 2, 4)]]
-    assert batch_floors.floor_shape("refine", done) == (3, 24, 11)
-    assert batch_floors.floor_shape("draft_verify", done) == (4, 24, 11)
-    assert batch_floors.floor_shape("ar_beam", done) == (11, 24, 11)
+    assert batch_floors.floor_shape("refine", done, 2) == ([(2, 3)], 24, 11)
+    assert batch_floors.floor_shape("draft_verify", done, 2) == ([(2, 4)], 24, 11)
+    assert batch_floors.floor_shape("ar_beam", done, 2) == ([(2, 11)], 24, 11)
+    # 16 rows, 14 of them filler copies of the first (7 tokens): dropped after its 7 steps.
+    assert batch_floors.floor_shape("ar_greedy", done, 16) == ([(16, 7), (8, 4)], 24, 11)
     texts = ["ccc", "a", "bb", "dddd", "e"]
     tokenizer = types.SimpleNamespace(encode=lambda texts: [[1] * len(t) for t in texts])
     assert batch_floors.batches(texts, tokenizer, 2) == [["a", "e"], ["bb", "ccc"], ["dddd"]]

@@ -89,14 +89,14 @@ def greedy_search(
         step, done = state[0], state[3]
         return (step < max_len) & ~jnp.all(done)
 
-    def body(state):
-        step, tokens, last, done, cache, context, rows = state
+    def body(state, context):
+        step, tokens, last, done, cache, rows = state
         logits, cache = tokens_to_logits(last, cache, context)  # [N, V]
         next_ids = _ids(argmax_last(logits), vocab_ids)  # [N]
         next_ids = jnp.where(done, PAD_ID, next_ids)
         tokens = jax.lax.dynamic_update_slice_in_dim(tokens, next_ids[:, None], step, axis=1)
         done = done | (next_ids == eos_id)
-        return step + 1, tokens, next_ids[:, None], done, cache, context, rows
+        return step + 1, tokens, next_ids[:, None], done, cache, rows
 
     state = (
         jnp.array(0, jnp.int32),  # step
@@ -104,7 +104,6 @@ def greedy_search(
         jnp.full((batch_size, 1), bos_id, jnp.int32),  # last [N, 1]
         jnp.zeros((batch_size,), bool),  # done [N]
         cache,
-        context,
         jnp.arange(batch_size),  # rows [N]: each decoding row's row of the batch
     )
 
@@ -113,8 +112,8 @@ def greedy_search(
         return output.at[rows].set(tokens)
 
     return compaction.while_unfinished(
-        cond, body, state, rows=batch_size, done=lambda state: state[3],
-        take=compaction.take_rows, collect=collect,
+        cond, body, state, context, rows=batch_size, done=lambda state: state[3],
+        take=compaction.take_each, collect=collect,
         result=jnp.zeros((batch_size, max_len), jnp.int32))
 
 
@@ -131,7 +130,6 @@ class BeamState:
     finished_flags: jax.Array  # bool[N, K]
     done: jax.Array  # bool[N]
     cache: Any  # leaves [N * K, ...]
-    context: Any  # leaves [N * K, ...]: gathered when sentences are dropped, not by beams
     rows: jax.Array  # int32[N]: each sentence's row of the batch
 
 
@@ -155,14 +153,16 @@ def _gather_cache(cache: Any, beam_indices: jax.Array) -> Any:
     return compaction.take_rows(cache, rows)
 
 
-def _take_sentences(state: BeamState, keep: jax.Array) -> BeamState:
-    """The sentences `keep` int[M] of `state`, their beams' cache rows with them."""
+def _take_sentences(state: BeamState, context: Any, keep: jax.Array
+                    ) -> tuple[BeamState, Any]:
+    """The sentences `keep` int[M] of `state`, and their beams' rows of its cache and of
+    the `context`."""
     beams = state.alive_seqs.shape[1]
     fields = {name: compaction.take_rows(getattr(state, name), keep)
               for name in _RESULT_FIELDS + ("done", "rows")}
-    cache_rows = (keep[:, None] * beams + jnp.arange(beams)).reshape(-1)  # [M * K]
-    return BeamState(step=state.step, cache=compaction.take_rows(state.cache, cache_rows),
-                     context=compaction.take_rows(state.context, cache_rows), **fields)
+    rows = (keep[:, None] * beams + jnp.arange(beams)).reshape(-1)  # [M * K]
+    return (BeamState(step=state.step, cache=compaction.take_rows(state.cache, rows), **fields),
+            compaction.take_rows(context, rows))
 
 
 def beam_search(
@@ -205,11 +205,10 @@ def beam_search(
     def cond(state: BeamState) -> jax.Array:
         return (state.step < max_len) & ~jnp.all(state.done)
 
-    def body(state: BeamState) -> BeamState:
+    def body(state: BeamState, context: Any) -> BeamState:
         step, batch = state.step, state.done.shape[0]
         ids = jax.lax.dynamic_slice_in_dim(state.alive_seqs, step, 1, axis=2)  # [N, K, 1]
-        logits, cache = tokens_to_logits(ids.reshape(batch * beams, 1), state.cache,
-                                         state.context)
+        logits, cache = tokens_to_logits(ids.reshape(batch * beams, 1), state.cache, context)
         logits = logits.astype(jnp.float32).reshape(batch, beams, -1)  # [N, K, V]
         vocab = logits.shape[-1]
         # log p = logit - logsumexp: the candidates' scores without a [N, K, V] log_softmax.
@@ -252,7 +251,6 @@ def beam_search(
             finished_flags=finished_flags,
             done=state.done | no_alive | cannot_improve,
             cache=cache,
-            context=state.context,
             rows=state.rows,
         )
 
@@ -270,7 +268,6 @@ def beam_search(
         finished_flags=jnp.zeros((batch_size, beams), bool),
         done=jnp.zeros((batch_size,), bool),
         cache=cache,
-        context=context,
         rows=jnp.arange(batch_size),
     )
     def collect(result, state):
@@ -278,7 +275,7 @@ def beam_search(
                 for name, value in result.items()}
 
     result = compaction.while_unfinished(
-        cond, body, state, rows=batch_size, done=lambda state: state.done,
+        cond, body, state, context, rows=batch_size, done=lambda state: state.done,
         take=_take_sentences, collect=collect,
         result={name: getattr(state, name) for name in _RESULT_FIELDS})
 

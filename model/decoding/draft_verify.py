@@ -104,8 +104,6 @@ class _State:
     rounds: jax.Array  # int32[B]
     accepted: jax.Array  # int32[B]
     cache: Any  # the teacher's keys and values, positions < length valid
-    # What the rounds read per row: both models' cross-attention keys and values and masks.
-    context: tuple[Any, jax.Array, Any, jax.Array]
     rows: jax.Array  # int32[B]: each row's row of the batch
 
 
@@ -179,8 +177,8 @@ def draft_verify(
     def cond(state: _State) -> jax.Array:
         return ~jnp.all(state.done)
 
-    def body(state: _State) -> _State:
-        draft_memory, draft_mask, teacher_memory, teacher_mask = state.context
+    def body(state: _State, context: tuple[Any, jax.Array, Any, jax.Array]) -> _State:
+        draft_memory, draft_mask, teacher_memory, teacher_mask = context
         batch = state.done.shape[0]
         draft = drafter.draft(drafter_params, draft_memory, draft_mask,
                               state.tokens[:, :width], state.length, draft_passes,
@@ -211,7 +209,6 @@ def draft_verify(
             rounds=state.rounds + active.astype(jnp.int32),
             accepted=state.accepted + jnp.where(active, accepted, 0),
             cache=cache,
-            context=state.context,
             rows=state.rows,
         )
 
@@ -229,12 +226,13 @@ def draft_verify(
         tokens=jnp.zeros((batch, room), jnp.int32), length=zeros,
         done=jnp.zeros((batch,), bool), rounds=zeros, accepted=zeros,
         cache=verifier.init_block_cache(verifier_params, teacher_encoded, teacher_mask, room),
-        # Both models' cross-attention keys and values, once: every round reads them.
-        context=(drafter.memory(drafter_params, draft_encoded, draft_mask), draft_mask,
-                 verifier.memory(verifier_params, teacher_encoded, teacher_mask), teacher_mask),
         rows=jnp.arange(batch))
+    # What the rounds read per row: both models' cross-attention keys and values, computed
+    # once, and masks.
+    context = (drafter.memory(drafter_params, draft_encoded, draft_mask), draft_mask,
+               verifier.memory(verifier_params, teacher_encoded, teacher_mask), teacher_mask)
     return compaction.while_unfinished(
-        cond, body, state, rows=batch, done=lambda state: state.done,
-        take=compaction.take_rows, collect=collect,
+        cond, body, state, context, rows=batch, done=lambda state: state.done,
+        take=compaction.take_each, collect=collect,
         result=DraftVerifyResult(tokens=jnp.zeros((batch, width), jnp.int32), lengths=zeros,
                                  rounds=zeros, accepted=zeros, passes=zeros))

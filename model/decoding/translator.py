@@ -33,7 +33,7 @@ shortlist size (a multiple of `shortlist.SIZE_STEP`). The CTranslate2 kinds get 
 table as CTranslate2's vocabulary map (model/decoding/ctranslate2_search.py).
 
 Timing. A batch whose shapes (S, cap, T) were not met before is decoded twice and timed the
-second time (the first compiles):
+second time (the first compiles; `compile_seconds` adds up those first calls):
 `batch_seconds` is the wall time from the first jitted call until the last one's
 `block_until_ready`, host to device transfer included, tokenisation and detokenisation
 excluded. It splits into `encode_seconds` (PaDIR: encoder + length head, until its lengths
@@ -316,6 +316,8 @@ class Translator:
                                       vocabulary_map=self._shortlist)
             if method.kind in ctranslate2_search.KINDS else None)
         self._warm: set[tuple[int, int, int, int]] = set()  # (S, cap, width, columns) compiled
+        # The first calls of each shape, untimed by `batch_seconds`: compiling, and a decode.
+        self.compile_seconds = 0.0
         trace_key = (loaded.uri, method.name, batch_size)
 
         def encode(params, source, *, max_len):
@@ -358,10 +360,12 @@ class Translator:
 
     def _translate_batch(self, sources: Sequence[str]) -> list[Translation]:
         source, max_len, truncated = self.source_batch(sources)
+        started = time.perf_counter()
         timed = self._call(source, max_len)
         shape = (source.shape[1], max_len) + timed[-2:]
         if shape not in self._warm:  # it compiled: run again
             self._warm.add(shape)
+            self.compile_seconds += time.perf_counter() - started
             timed = self._call(source, max_len)
         output, seconds, encode_seconds, search_seconds, decoded_width, _ = timed
         output = jax.device_get(output)
