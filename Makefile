@@ -19,9 +19,10 @@ install: $(BIN)/.installed
 # The whole DAG through Prefect, with no server to start: without PREFECT_API_URL, `padir run`
 # starts a temporary local API whose SQLite database lives in PREFECT_HOME (work/prefect).
 # It prints every stage's output and the report; a second `make demo` reuses them all.
+# --lanes 2: the student, the AR student and the drafter train side by side, a core each.
 demo: export PREFECT_HOME ?= $(abspath work/prefect)
 demo: install
-	$(BIN)/padir run configs/demo.yaml
+	$(BIN)/padir run configs/demo.yaml --lanes 2
 	@echo "more: $(BIN)/padir status configs/demo.yaml; $(BIN)/padir report configs/demo.yaml"
 
 # The tests read Multi30k from PADIR_DATA_ROOT; without it, from the download cache, filled

@@ -14,7 +14,9 @@ into attention, MLP and the output projection), the reading of the logits, accep
 loop bookkeeping, on the sentence of the median output width.
 
 Measurement: model/decoding/translator.py's Translator (jitted, static shapes; every shape is run
-once untimed before it is timed; the time is the jitted call until block_until_ready). The
+once untimed before it is timed; the time is the jitted call until block_until_ready).
+CTranslate2 runs in a process of its own with the threads the decode stage's sweep chose
+per regime (timed now if this machine has not timed it before), as the stage runs it. The
 batch-1 pass is interleaved: sentence by sentence, every method decodes it in turn (the
 order rotating per sentence), so that a change in the machine's load affects all methods
 alike; the batched pass then runs method after method over the whole set. The figures are
@@ -55,7 +57,8 @@ from components import config as config_lib
 from components import records as records_lib
 from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from model import trained_model, transformer
-from model.decoding import beam_search, refinement, translator
+from model.decoding import beam_search, ctranslate2_search, refinement, translator
+from model.decoding.ctranslate2_sweep import BATCHED, LATENCY
 from model.models import PaDIRModel, masked_hypothesis
 from pipelines import decode
 
@@ -594,6 +597,21 @@ def print_floors(translations: dict[str, list], floors: dict[str, list]) -> None
               f"{ms([t.batch_seconds - t.encode_seconds - t.search_seconds for t in methods]):6.2f}")
 
 
+def ctranslate2_threads(config: config_lib.Config, prepared_uri: str,
+                        methods: Sequence[config_lib.DecodeMethod]
+                        ) -> dict[tuple[str, str], ctranslate2_search.Threads]:
+    """The threads the decode stage gives each CTranslate2 method of `methods` per regime
+    (its sweep, kept beside the method's export if timed before on this machine): (name,
+    `LATENCY` or `BATCHED`) -> threads. CTranslate2 runs several-fold slower with threads
+    a regime does not suit (two intra threads at batch 1 here: 38 against 3.6 ms)."""
+    selected = dataclasses.replace(config, decode=dataclasses.replace(config.decode,
+                                                                      methods=list(methods)))
+    sweeps = decode.sweep_ctranslate2(selected, prepared_uri, {
+        method.stage: dag.output_uri(config, method.stage) for method in methods})
+    return {(name, regime): ctranslate2_search.Threads(**record[regime]["chosen"])
+            for name, record in sweeps.items() for regime in (LATENCY, BATCHED)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = config_lib.load(args.config, args.set)
@@ -607,17 +625,21 @@ def main(argv=None) -> int:
         raise SystemExit(f"unknown methods {unknown}; the config has {list(known)}")
     # No batch wider than the test set: filler rows would count as work but not as sentences.
     batch_size = min(args.batch_size or config.decode.throughput_batch_size, len(pairs))
+    present = [known[name] for name in wanted
+               if artifacts.is_complete(dag.output_uri(config, known[name].stage))]
+    for name in sorted(set(wanted) - {method.name for method in present}):
+        print(f"skipping {name}: no complete {known[name].stage} artifact")
+    threads = ctranslate2_threads(config, prepared.uri, present)
     latency, batched = {}, {}
-    for name in wanted:
-        method = known[name]
-        uri = dag.output_uri(config, method.stage)
-        if not artifacts.is_complete(uri):
-            print(f"skipping {name}: no complete {method.stage} artifact at {uri}")
-            continue
-        loaded = trained_model.load_cached(uri)
+    for method in present:
+        loaded = trained_model.load_cached(dag.output_uri(config, method.stage))
         common = dict(boundaries=config.encode.bucket_boundaries)
-        latency[name] = translator.Translator(loaded, method, batch_size=1, **common)
-        batched[name] = translator.Translator(loaded, method, batch_size=batch_size, **common)
+        latency[method.name] = translator.Translator(
+            loaded, method, batch_size=1, ctranslate2_threads=threads.get((method.name, LATENCY)),
+            **common)
+        batched[method.name] = translator.Translator(
+            loaded, method, batch_size=batch_size,
+            ctranslate2_threads=threads.get((method.name, BATCHED)), **common)
     if not latency:
         raise SystemExit("nothing to measure")
     names = list(latency)

@@ -183,8 +183,8 @@ def test_a_batch_floor_counts_what_the_batch_ran():
     assert batch_floors.floor_shape("refine", done, 2) == ([(2, 3)], 24, 11)
     assert batch_floors.floor_shape("draft_verify", done, 2) == ([(2, 4)], 24, 11)
     assert batch_floors.floor_shape("ar_beam", done, 2) == ([(2, 11)], 24, 11)
-    # 16 rows, 14 of them filler copies of the first (7 tokens): dropped after its 7 steps.
-    assert batch_floors.floor_shape("ar_greedy", done, 16) == ([(16, 7), (8, 4)], 24, 11)
+    # 32 rows, 30 of them filler copies of the first (7 tokens): dropped after its 7 steps.
+    assert batch_floors.floor_shape("ar_greedy", done, 32) == ([(32, 7), (8, 4)], 24, 11)
     texts = ["ccc", "a", "bb", "dddd", "e"]
     tokenizer = types.SimpleNamespace(encode=lambda texts: [[1] * len(t) for t in texts])
     assert batch_floors.batches(texts, tokenizer, 2) == [["a", "e"], ["bb", "ccc"], ["dddd"]]

@@ -113,7 +113,7 @@ def test_rows_of_one_batch_finish_at_different_rounds():
 
 
 def test_a_large_batch_drops_finished_rows_and_each_row_decodes_as_in_a_small_one():
-    """32 rows (dropped to 16 and 8 as they finish), drafts wrong from a different position
+    """32 rows (dropped to 8 as they finish), drafts wrong from a different position
     in each: every row's tokens, rounds and accepted tokens are those of its batch of 4
     (too few rows to drop any)."""
     greedy = _teacher_greedy(BATCH["source"])

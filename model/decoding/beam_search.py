@@ -11,9 +11,9 @@ that runs one decoder step for N rows (N = B for greedy, B * K for beam search; 
 leaves of the cache and of the context, what the step reads per row and never changes,
 such as the encoder's keys and values, have N rows first; scalar leaves such as the cache
 index are shared by all rows), and an explicit state carried through `lax.while_loop`.
-Both searches decode the rows still unfinished only (model/decoding/compaction.py): when
-no more than half of them are, they are gathered, with their cache and context, into a
-batch half as large.
+Both searches decode the rows still unfinished only (model/decoding/compaction.py): once
+no more than a quarter of them are, they are gathered, with their cache and context, into a
+batch a quarter as large.
 
 Shapes: B batch, K beam size, T max output length, V vocab.
 
