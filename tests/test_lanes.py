@@ -69,6 +69,7 @@ def test_the_command_passes_the_config_its_overrides_and_the_cores():
                            "--set", "seed=1", "--set", "vocab.size=400", "--cores", "2,3"]
 
 
+@pytest.mark.slow  # child interpreters
 def test_a_lane_runs_the_stage_in_its_own_process_and_reads_back_its_errors(tmp_path):
     config = tiny_config(str(tmp_path))
     path = tmp_path / "experiment.yaml"
