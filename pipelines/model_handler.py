@@ -120,7 +120,8 @@ class TranslationModelHandler(ModelHandler[str, PredictionResult, Any]):
                                  if self._ctranslate2_threads else None))
         # Counted with the next batch this process decodes: Beam drops what a DoFn's setup
         # counts, and the instance that loads may not be the one that decodes.
-        _LOADING_SECONDS[self._time_namespace] += time.perf_counter() - started
+        if self._time_namespace is not None:
+            _LOADING_SECONDS[self._time_namespace] += time.perf_counter() - started
         return model
 
     def run_inference(self, batch: Sequence[str], model: Any,

@@ -213,12 +213,10 @@ def draft_verify(
         )
 
     def collect(result: DraftVerifyResult, state: _State) -> DraftVerifyResult:
-        return DraftVerifyResult(
-            tokens=result.tokens.at[state.rows].set(state.tokens[:, :width]),
-            lengths=result.lengths.at[state.rows].set(state.length),
-            rounds=result.rounds.at[state.rows].set(state.rounds),
-            accepted=result.accepted.at[state.rows].set(state.accepted),
-            passes=result.passes.at[state.rows].set(state.rounds * (draft_passes + 1)))
+        rows = DraftVerifyResult(tokens=state.tokens[:, :width], lengths=state.length,
+                                 rounds=state.rounds, accepted=state.accepted,
+                                 passes=state.rounds * (draft_passes + 1))
+        return jax.tree.map(lambda whole, part: whole.at[state.rows].set(part), result, rows)
 
     batch = draft_encoded.shape[0]
     zeros = jnp.zeros((batch,), jnp.int32)
