@@ -100,7 +100,9 @@ def run_arm(config: config_lib.Config, arm: str, args: argparse.Namespace,
     from pipelines import drafter as drafter_stage
 
     started = time.time()
-    artifact = drafter_stage.run(config)
+    uri = dag.output_uri(config, "drafter")
+    artifact = (artifacts.read(uri) if artifacts.is_complete(uri)
+                else drafter_stage.run(config))
     trained_s = time.time() - started
     drafter = trained_model.load_cached(artifact.uri)
     teacher = trained_model.load_cached(dag.output_uri(config, "teacher"))
