@@ -9,9 +9,9 @@ set's first `--sentences` sentences at batch 64, for each drafter pass count in 
 (exact verification) and once tolerant (top 3 within 1 nat), beside the teacher's greedy
 search on the same sentences, and prints per row:
 
-* rounds a sentence; drafted tokens accepted a round (the mean over sentences, and the
-  shares of sentences whose rounds accept on average none, half the block or more, and
-  all of it); output tokens a round;
+* rounds a sentence; drafted tokens accepted a round (over all rounds, as the report
+  counts them, and the shares of sentences whose rounds accept on average none, half the
+  block or more, and all of it); output tokens a round;
 * sequential calls a sentence (drafter passes plus teacher passes) against greedy's steps;
 * exact: the share of sentences whose output is greedy's token for token (exact
   verification: 100% but where the teacher's two best logits tie to float precision);
@@ -58,10 +58,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def round_shares(records: Sequence[dict], block: int) -> dict[str, float]:
     """Accepted drafted tokens a round, from records with `rounds` and `accepted` (per
-    sentence): the mean, and the shares of sentences whose mean is none, at least half the
-    block, the whole block."""
+    sentence): over all rounds (as the report's `draft_cost`), and the shares of sentences
+    whose rounds accept on average none, at least half the block, the whole block."""
     per_round = [r["accepted"] / r["rounds"] for r in records]
-    return {"accepted_per_round": statistics.fmean(per_round),
+    return {"accepted_per_round": (sum(r["accepted"] for r in records)
+                                   / sum(r["rounds"] for r in records)),
             "none": float(np.mean([a == 0 for a in per_round])),
             "half_or_more": float(np.mean([a >= block / 2 for a in per_round])),
             "whole": float(np.mean([a >= block for a in per_round]))}
