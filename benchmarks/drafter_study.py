@@ -1,5 +1,5 @@
-"""The block drafter's choices, measured on dev: the block K, prefixes per example, drafter
-passes a draft, and exact against tolerant verification.
+"""The block drafter's choices, measured on dev: the block K, its shape, drafter passes a
+draft, and exact against tolerant verification.
 
 Each arm is a set of `drafter.*` overrides, trained by the `drafter` stage itself (published
 and cached under its key, so a rerun decodes again without training; the config's teacher
