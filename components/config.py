@@ -341,8 +341,10 @@ class ARStudentConfig(TeacherConfig):
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig(TeacherConfig):
     """The block drafter of `draft_verify`: given the source and the accepted prefix, it
-    predicts the next `block` tokens in one pass (a deep encoder, a shallow decoder, no
-    length head), trained as the teacher is on the PaDIR student's data (the distilled
+    predicts the next `block` tokens in one pass (no length head; its decoder's depth
+    trades the tokens a round accepts against what a round's pass costs: the benchmark's
+    has the teacher's 4 layers, chosen on dev), trained as the teacher is on the PaDIR
+    student's data (the distilled
     pairs when `distill.enabled`). `init_from_teacher` starts it from the teacher where
     paths and shapes match (model/warm_start.py).
     """

@@ -417,8 +417,8 @@ class DrafterModel(_BaseModel):
     block's tokens' (EOS included; positions past EOS carry none).
 
     Attributes:
-      config: the model config (a deep encoder and a shallow decoder: the drafter runs
-        once a round, so its decoder is what a round pays for).
+      config: the model config (the drafter runs once a round over the prefix and its
+        block, so its decoder's depth is what a round pays for, and what it drafts with).
       vocab_size: V, read from the vocab artifact.
       block: the tokens it drafts a pass.
       label_smoothing: of the token cross-entropy.

@@ -1,6 +1,6 @@
-"""The `drafter` stage: the block drafter of `draft_verify`, a deep encoder and a shallow
-decoder that, given the source and the accepted prefix, predicts the next `block` tokens
-in one pass; trained as the teacher is, on the PaDIR student's data.
+"""The `drafter` stage: the block drafter of `draft_verify`, an encoder-decoder that, given
+the source and the accepted prefix, predicts the next `block` tokens in one pass; trained
+as the teacher is, on the PaDIR student's data.
 
 Contract:
   reads:  the students' encode artifact, `dag.student_data(config)` (the distilled pairs,
