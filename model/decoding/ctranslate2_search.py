@@ -31,9 +31,12 @@ Search settings, against ours (model/decoding/beam_search.py):
 
 Threads (`Threads`: CTranslate2's `intra_threads`, the threads of one translation, and
 `inter_threads`, translations run in parallel): the decode stage chooses them per regime
-by timing (model/decoding/ctranslate2_sweep.py); elsewhere (distillation, `padir translate`) one
-translation at a time over the CPUs this process may run on. A batch is cut into
-`inter_threads` sub-batches (`max_batch_size`), which CTranslate2 translates in parallel.
+by timing (model/decoding/ctranslate2_sweep.py); elsewhere (distillation, `padir translate`)
+one thread a translation and as many translations at once as this process has CPUs, the
+sweep's choice in both regimes for every method on the benchmark's 2-core machine (two
+threads on one translation were 5-11x slower at batch 1 and 1.3-8x batched, 2026-12-07).
+A batch is cut into `inter_threads` sub-batches (`max_batch_size`), which CTranslate2
+translates in parallel; a batch of one is one translation on one thread.
 
 Timing: `batch_seconds` is the wall time of the `translate_batch` call, measured in the
 worker (the pieces are looked up before, the ids after, the pipe outside); it is all
@@ -226,7 +229,7 @@ class Search:
     jitted pair (`Translator._call`).
 
     Args:
-      threads: CTranslate2's threads (default: one translation over all `cpus()`).
+      threads: CTranslate2's threads (default: one thread a translation, `cpus()` at once).
       vocabulary_map: the shortlist table (model/decoding/shortlist.py) of a `shortlist` method.
     """
 
@@ -236,7 +239,7 @@ class Search:
             raise ValueError(f"{method.kind} is not a CTranslate2 kind {KINDS}")
         if method.shortlist != (vocabulary_map is not None):
             raise ValueError(f"method {method.name!r}: a vocabulary map goes with shortlist")
-        self.threads = threads or Threads(cpus())
+        self.threads = threads or Threads(1, cpus())
         self.model_dir = export_dir(loaded, vocabulary_map)
         self._worker = worker(self.model_dir, method.compute_type, self.threads)
         self._pieces = pieces(loaded)
