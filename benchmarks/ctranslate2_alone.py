@@ -97,7 +97,7 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
     from components import corpus, dag, records
     from components.tokenizer import EOS_ID
     from model import trained_model
-    from model.decoding import ctranslate2_search, translator
+    from model.decoding import ctranslate2_search, ctranslate2_sweep, translator
     from pipelines import decode
 
     decoded = dag.require_input(config, "decode")
@@ -116,7 +116,7 @@ def compare(config: Any, *, methods: Optional[Sequence[str]] = None, rounds: int
             decode.output_path(decoded.uri, decode.LATENCY, split, method.name)))
         texts = [sources[record["id"]] for record in timed]
         loaded = trained_model.load_cached(decoded.manifest["inputs"][method.stage])
-        threads = ctranslate2_search.Threads(**sweeps[method.name]["latency"]["chosen"])
+        threads = ctranslate2_sweep.chosen(sweeps[method.name], ctranslate2_sweep.LATENCY)
         ours = translator.Translator(loaded, method, batch_size=1, boundaries=boundaries,
                                      ctranslate2_threads=threads)
         search = ctranslate2_search.Search(  # its requests; the Translator's worker

@@ -57,7 +57,8 @@ from components import config as config_lib
 from components import records as records_lib
 from components.tokenizer import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 from model import trained_model, transformer
-from model.decoding import beam_search, ctranslate2_search, refinement, translator
+from model.decoding import (beam_search, ctranslate2_search, ctranslate2_sweep, refinement,
+                            translator)
 from model.decoding.ctranslate2_sweep import BATCHED, LATENCY
 from model.models import PaDIRModel, masked_hypothesis
 from pipelines import decode
@@ -611,7 +612,7 @@ def ctranslate2_threads(config: config_lib.Config, prepared_uri: str,
                                                                       methods=methods))
     sweeps = decode.sweep_ctranslate2(selected, prepared_uri, {
         method.stage: dag.output_uri(config, method.stage) for method in methods})
-    return {(name, regime): ctranslate2_search.Threads(**record[regime]["chosen"])
+    return {(name, regime): ctranslate2_sweep.chosen(record, regime)
             for name, record in sweeps.items() for regime in (LATENCY, BATCHED)}
 
 
